@@ -1,0 +1,188 @@
+"""DuckDB store for sweeps, runs, curves and fits (torch-free).
+
+One process writes a database file at a time: DuckDB takes a file lock for a read-write connection, and a
+second writer gets a one-line ``StoreError``. Every run is written in one transaction (its row and its
+curve together), so an interrupted or failed write leaves no partial rows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import duckdb
+
+SCHEMA_VERSION = 1
+
+# Column name -> DuckDB type. Order is the table's column order.
+RUN_COLUMNS: dict[str, str] = {
+    "run_id": "VARCHAR PRIMARY KEY",
+    "sweep_id": "VARCHAR",
+    "arch": "VARCHAR",
+    "budget": "DOUBLE",  # target training FLOPs C of the isoFLOP grid point
+    "d_model": "INTEGER",
+    "n_layers": "INTEGER",
+    "n_heads": "INTEGER",
+    "n_kv_heads": "INTEGER",
+    "d_ff": "INTEGER",
+    "seq_len": "INTEGER",
+    "vocab_size": "INTEGER",
+    "params_total": "BIGINT",
+    "params_nonembed": "BIGINT",
+    "params_active": "BIGINT",  # parameters touched per token (experts at their routing)
+    "flops_per_token": "DOUBLE",  # exact forward FLOPs per token (DESIGN section 5)
+    "flops_6nd": "DOUBLE",  # 6 * params_nonembed * tokens, for comparison only
+    "train_flops": "DOUBLE",  # 3 * flops_per_token * tokens actually trained
+    "tokens": "BIGINT",
+    "steps": "INTEGER",
+    "batch_size": "INTEGER",
+    "lr": "DOUBLE",
+    "seed": "INTEGER",
+    "status": "VARCHAR",  # ok | diverged
+    "val_loss": "DOUBLE",  # held-out mean token loss (nats)
+    "val_loss_causal": "DOUBLE",  # routed archs: loss under causal routing; NULL otherwise
+    "train_loss": "DOUBLE",  # mean loss over the last logged steps
+    "wall_s": "DOUBLE",
+    "tokens_per_s": "DOUBLE",
+    "mfu": "DOUBLE",  # model FLOPs utilisation against peak_flops; NULL when no peak is known
+    "peak_flops": "DOUBLE",  # the peak FLOP/s MFU assumed
+    "device": "VARCHAR",
+    "precision": "VARCHAR",
+    "versions": "JSON",
+    "corpus": "VARCHAR",
+    "corpus_fingerprint": "VARCHAR",
+    "routing_stats": "JSON",  # routed archs: capacity, predictor accuracy/precision/recall, expert load
+    "config": "JSON",
+    "created_at": "TIMESTAMP",
+}
+
+DDL = f"""
+CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR);
+CREATE TABLE IF NOT EXISTS sweeps (
+    sweep_id VARCHAR PRIMARY KEY, name VARCHAR, preset VARCHAR, config JSON, created_at TIMESTAMP
+);
+CREATE TABLE IF NOT EXISTS runs ({", ".join(f"{k} {v}" for k, v in RUN_COLUMNS.items())});
+CREATE TABLE IF NOT EXISTS curves (
+    run_id VARCHAR, step INTEGER, tokens BIGINT, flops DOUBLE, train_loss DOUBLE, lr DOUBLE
+);
+CREATE TABLE IF NOT EXISTS fits (
+    fit_id VARCHAR, sweep_id VARCHAR, arch VARCHAR, method VARCHAR, budget DOUBLE,
+    params JSON, ci JSON, n_points INTEGER, objective DOUBLE, created_at TIMESTAMP
+);
+CREATE OR REPLACE VIEW isoflop_points AS
+    SELECT sweep_id, arch, budget, run_id, params_nonembed AS n, params_total, params_active, tokens AS d,
+           flops_per_token, train_flops, val_loss, val_loss_causal
+    FROM runs WHERE status = 'ok' AND val_loss IS NOT NULL;
+CREATE OR REPLACE VIEW frontier AS
+    SELECT * EXCLUDE (rk) FROM (
+        SELECT *, row_number() OVER (PARTITION BY sweep_id, arch, budget ORDER BY val_loss) AS rk
+        FROM isoflop_points)
+    WHERE rk = 1;
+"""
+
+
+class StoreError(RuntimeError):
+    """A store problem with a one-line message meant for the user."""
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def connect(path: str | os.PathLike, read_only: bool = False) -> duckdb.DuckDBPyConnection:
+    """Open (and on write, create and migrate) the store, raising StoreError with one line on failure."""
+    p = Path(path)
+    if read_only and not p.exists():
+        raise StoreError(f"database {p} does not exist")
+    if not read_only:
+        parent = p.parent if str(p.parent) else Path(".")
+        if not parent.is_dir():
+            raise StoreError(f"cannot create database {p}: folder {parent} does not exist")
+        if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+            raise StoreError(f"cannot write database {p}: permission denied")
+    try:
+        con = duckdb.connect(str(p), read_only=read_only)
+    except duckdb.IOException as e:
+        msg = str(e)
+        if "lock" in msg.lower():
+            raise StoreError(f"database {p} is in use by another process (one writer at a time)") from None
+        if "not a valid DuckDB database" in msg or "Corrupt" in msg or "invalid" in msg.lower():
+            raise StoreError(f"database {p} is not a valid DuckDB file (corrupt or another format)") from None
+        raise StoreError(f"cannot open database {p}: {_first_line(e)}") from None
+    except duckdb.Error as e:
+        raise StoreError(f"cannot open database {p}: {_first_line(e)}") from None
+    if not read_only:
+        try:
+            con.execute("BEGIN")
+            con.execute(DDL)
+            con.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
+            con.execute("COMMIT")
+        except duckdb.Error as e:
+            con.close()
+            raise StoreError(f"database {p} has an incompatible schema: {_first_line(e)}") from None
+    return con
+
+
+def _json(v: Any) -> Any:
+    return json.dumps(v, sort_keys=True, default=str) if isinstance(v, (dict, list)) else v
+
+
+def add_sweep(con: duckdb.DuckDBPyConnection, sweep_id: str, name: str, preset: str, config: Mapping) -> None:
+    con.execute(
+        "INSERT OR REPLACE INTO sweeps VALUES (?, ?, ?, ?, now())", [sweep_id, name, preset, _json(dict(config))]
+    )
+
+
+def finished_run_ids(con: duckdb.DuckDBPyConnection) -> set[str]:
+    return {r[0] for r in con.execute("SELECT run_id FROM runs WHERE status IS NOT NULL").fetchall()}
+
+
+def add_run(con: duckdb.DuckDBPyConnection, row: Mapping[str, Any], curve: Iterable[Mapping[str, Any]]) -> None:
+    """Insert one run and its curve atomically. ``row`` keys must be RUN_COLUMNS (created_at optional)."""
+    unknown = set(row) - set(RUN_COLUMNS)
+    if unknown:
+        raise StoreError(f"unknown run columns: {sorted(unknown)}")
+    cols = [c for c in RUN_COLUMNS if c in row]
+    values = [_json(row[c]) for c in cols]
+    con.execute("BEGIN")
+    try:
+        con.execute("DELETE FROM curves WHERE run_id = ?", [row["run_id"]])
+        con.execute("DELETE FROM runs WHERE run_id = ?", [row["run_id"]])
+        con.execute(
+            f"INSERT INTO runs ({', '.join(cols)}, created_at) VALUES ({', '.join('?' * len(cols))}, now())",
+            values,
+        )
+        points = [(row["run_id"], p["step"], p["tokens"], p["flops"], p["train_loss"], p["lr"]) for p in curve]
+        if points:
+            con.executemany("INSERT INTO curves VALUES (?, ?, ?, ?, ?, ?)", points)
+        con.execute("COMMIT")
+    except BaseException:
+        con.execute("ROLLBACK")
+        raise
+
+
+def add_fits(con: duckdb.DuckDBPyConnection, rows: Iterable[Mapping[str, Any]]) -> None:
+    """Replace the fits of each (sweep_id, arch, method, budget) given, atomically."""
+    rows = list(rows)
+    con.execute("BEGIN")
+    try:
+        for r in rows:
+            con.execute(
+                "DELETE FROM fits WHERE sweep_id IS NOT DISTINCT FROM ? AND arch = ? AND method = ?"
+                " AND budget IS NOT DISTINCT FROM ?",
+                [r.get("sweep_id"), r["arch"], r["method"], r.get("budget")],
+            )
+            con.execute(
+                "INSERT INTO fits VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, now())",
+                [
+                    r["fit_id"], r.get("sweep_id"), r["arch"], r["method"], r.get("budget"),
+                    _json(r["params"]), _json(r.get("ci", {})), r["n_points"], r.get("objective"),
+                ],
+            )
+        con.execute("COMMIT")
+    except BaseException:
+        con.execute("ROLLBACK")
+        raise

@@ -1,0 +1,160 @@
+"""Public routed gather / scatter-add ops (MoD routed blocks, MoDE experts) with autograd.
+
+Two forms, chosen by ``x.dim()``:
+
+- batched: ``x [B, T, D]``, ``idx [B, K]`` positions per sequence (MoD: sorted, distinct; not required).
+  Internally flattened to rows ``idx[b, j] + b * T`` of ``x.reshape(B * T, D)``; an index outside
+  ``[0, T)`` becomes -1 there (never written, reads as 0), so it cannot leak into another sequence.
+- flat: ``x [N, D]``, ``idx [K]`` rows (MoDE / token-choice experts: repeats allowed and accumulated).
+
+Design choices:
+
+- ``route_scatter_add`` is out-of-place and single-pass: one kernel writes every row of ``y`` exactly once
+  (``x`` copied, routed rows summed in fp32 and rounded once). No in-place variant: the residual ``x`` is
+  normally saved for backward by the norm and router that read it, so overwriting it would break autograd.
+- Repeated indices are reduced through a sorted segmented reduction (stable sort + CSR), not atomics: no
+  extra fp32 buffer, deterministic, same summation order as ``index_add``. Gather's backward uses it too.
+- Range checks need a host sync on CUDA: by default they run on CPU tensors only (``check=None``); pass
+  ``check=True`` to force them. Unchecked kernels stay memory-safe (see ``kernel.py``).
+- Triton runs on CUDA tensors, or on CPU when ``TRITON_INTERPRET=1`` was set before this package was
+  imported; otherwise (plain CPU, no Triton) the op falls back to ``naive.py`` so the laptop path works.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.route_gather_scatter import naive
+
+try:
+    from kernels.route_gather_scatter import kernel as _k
+except ImportError:  # no Triton on this platform: naive fallback only
+    _k = None
+
+__all__ = ["route_gather", "route_scatter_add"]
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return _k is not None and (x.is_cuda or _k.INTERPRET)
+
+
+def _validate(x: torch.Tensor, idx: torch.Tensor, check: bool | None) -> None:
+    if not x.is_floating_point():
+        raise TypeError(f"x must be floating point, got {x.dtype}")
+    if idx.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"idx must be int64 (or int32), got {idx.dtype}")
+    if x.dim() == 3:
+        if idx.dim() != 2 or idx.shape[0] != x.shape[0]:
+            raise ValueError(f"batched x {tuple(x.shape)} needs idx [B, K], got {tuple(idx.shape)}")
+    elif x.dim() != 2 or idx.dim() != 1:
+        raise ValueError(
+            f"expected x [B, T, D] + idx [B, K] or x [N, D] + idx [K], got {x.shape}, {idx.shape}"
+        )
+    if idx.device != x.device:
+        raise ValueError(f"idx on {idx.device}, x on {x.device}")
+    if check or (check is None and not idx.is_cuda):
+        n = x.shape[-2]
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
+            raise ValueError(f"route index out of range [0, {n}): min {int(idx.min())}, max {int(idx.max())}")
+
+
+def _flat_index(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``[K_total]`` int64 rows of ``x.reshape(-1, D)``; invalid batched positions map to -1."""
+    if x.dim() == 2:
+        return idx.to(torch.int64).contiguous()
+    t = x.shape[1]
+    flat = naive.flatten_index(idx, t)
+    return torch.where((idx >= 0) & (idx < t), flat.view(idx.shape), -1).reshape(-1)
+
+
+class _RouteGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:  # x [N, D], idx [K]
+        ctx.save_for_backward(idx)
+        ctx.n_rows = x.shape[0]
+        return _k.gather_rows(x, idx)  # [K, D]
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, None]:  # g [K, D]
+        (idx,) = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None
+        order, seg = _k.build_segments(idx, ctx.n_rows)
+        return _k.segment_sum(None, g.contiguous(), None, order, seg, g.dtype), None  # [N, D]
+
+
+class _RouteScatterAdd(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, idx: torch.Tensor, f: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        order, seg = _k.build_segments(idx, x.shape[0])
+        ctx.save_for_backward(idx, f, w)
+        return _k.segment_sum(x, f, w, order, seg, x.dtype)  # [N, D]
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):  # dy [N, D]
+        idx, f, w = ctx.saved_tensors
+        need_dx, _, need_df, need_dw = ctx.needs_input_grad
+        df, dw = _k.scatter_add_backward(dy.contiguous(), idx, f, w, need_df, need_dw)
+        return (dy if need_dx else None), None, df, dw
+
+
+def route_gather(x: torch.Tensor, idx: torch.Tensor, *, check: bool | None = None) -> torch.Tensor:
+    """Gathers the routed rows: ``xs[b, j] = x[b, idx[b, j]]`` (batched) or ``xs[j] = x[idx[j]]`` (flat).
+
+    Args:
+        x: ``[B, T, D]`` or ``[N, D]`` floating point.
+        idx: ``[B, K]`` positions per sequence, or ``[K]`` flat rows (repeats allowed); int64 (or int32).
+        check: range-check idx (ValueError); None checks CPU tensors only, True forces a host sync on CUDA.
+
+    Returns:
+        ``[B, K, D]`` or ``[K, D]``, dtype of x. Backward sums into the selected rows of dx (repeats add,
+        fp32); unselected rows get 0.
+    """
+    _validate(x, idx, check)
+    if not _use_triton(x):
+        return naive.route_gather_naive(x, idx)
+    d = x.shape[-1]
+    xs = _RouteGather.apply(x.reshape(-1, d).contiguous(), _flat_index(x, idx))  # [B*K, D]
+    return xs.view(*idx.shape, d)
+
+
+def route_scatter_add(
+    x: torch.Tensor, idx: torch.Tensor, f: torch.Tensor, w: torch.Tensor, *, check: bool | None = None
+) -> torch.Tensor:
+    """The routed residual update: ``y = x`` except ``y[idx[j]] = x[idx[j]] + sum w[j] * f[j]``.
+
+    Backward: ``dx = dy`` (every row), ``df[j] = w[j] * dy[idx[j]]``, ``dw[j] = <f[j], dy[idx[j]]>`` (fp32).
+
+    Args:
+        x: ``[B, T, D]`` or ``[N, D]`` residual stream.
+        idx: ``[B, K]`` positions per sequence, or ``[K]`` flat rows; repeated rows accumulate (fp32, in
+            index order, deterministic).
+        f: ``[B, K, D]`` or ``[K, D]`` block output WITHOUT the residual; dtype of x.
+        w: ``[B, K]`` or ``[K]`` router weights, gate already applied; float32 or dtype of x.
+        check: range-check idx (ValueError); see ``route_gather``.
+
+    Returns:
+        ``y``, a new tensor with the shape and dtype of x (out-of-place, single pass; unselected rows are
+        bit-identical to x).
+    """
+    _validate(x, idx, check)
+    d = x.shape[-1]
+    if f.shape != (*idx.shape, d):
+        raise ValueError(f"f must be {(*idx.shape, d)}, got {tuple(f.shape)}")
+    if w.shape != idx.shape:
+        raise ValueError(f"w must be {tuple(idx.shape)}, got {tuple(w.shape)}")
+    if f.dtype != x.dtype:
+        raise TypeError(f"f dtype {f.dtype} != x dtype {x.dtype}")
+    if w.dtype not in (torch.float32, x.dtype):
+        raise TypeError(f"w must be float32 or {x.dtype}, got {w.dtype}")
+    if f.device != x.device or w.device != x.device:
+        raise ValueError("x, idx, f, w must be on one device")
+    if not _use_triton(x):
+        return naive.route_scatter_add_naive(x, idx, f, w)
+    y = _RouteScatterAdd.apply(
+        x.reshape(-1, d).contiguous(),
+        _flat_index(x, idx),
+        f.reshape(-1, d).contiguous(),
+        w.reshape(-1).contiguous(),
+    )
+    return y.view(x.shape)

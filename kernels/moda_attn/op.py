@@ -1,0 +1,111 @@
+"""Public MoDA attention op: autograd wrapper over the Triton kernels in kernel.py."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from . import kernel as _k
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class _MoDAAttn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, kd, vd, scale):
+        cfg = _k.get_config(q.device, q.shape[-1], q.shape[2])
+        o, lse = _k.moda_fwd(q, k, v, kd, vd, scale, cfg)
+        ctx.save_for_backward(q, k, v, kd, vd, o, lse)
+        ctx.scale = scale
+        ctx.cfg = cfg
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, kd, vd, o, lse = ctx.saved_tensors
+        dq, dk, dv, dkd, dvd = _k.moda_bwd(do.contiguous(), q, k, v, kd, vd, o, lse, ctx.scale, ctx.cfg)
+        return dq, dk, dv, dkd, dvd, None
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
+def moda_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kd: torch.Tensor | None = None,
+    vd: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Mixture-of-Depths attention: one softmax over causal sequence keys and same-position depth slots.
+
+    ``o[b, h, t] = sum_s P[s] v[b, h//G, s] + sum_j P[j] vd[b, h//G, t, j]`` with ``P`` the softmax of the
+    joint logits ``{scale q.k[s] : s <= t} U {scale q.kd[t, j] : j < S}`` (one shared denominator).
+
+    Args:
+        q: queries ``[B, Hq, T, D]``; ``D`` a power of two in [16, 256] (64 and 128 are the tuned ones).
+        k: sequence keys of this layer ``[B, Hk, T, D]``; ``Hq = G * Hk`` for any integer ``G >= 1``,
+            query head ``h`` reads KV head ``h // G``.
+        v: sequence values ``[B, Hk, T, D]``.
+        kd: depth keys ``[B, Hk, T, S, D]``: the ``S`` slots written by earlier layers for each position.
+            ``S = 0`` or ``None`` gives plain causal attention. Any strides with a unit last stride are
+            used in place, so a prefix view ``buf[:, :, :, :n]`` of a preallocated slot buffer
+            ``[B, Hk, T, S_max, D]`` costs no copy (its gradient comes back as a contiguous tensor).
+        vd: depth values, same shape as ``kd``.
+        scale: logit scale, default ``1 / sqrt(D)``.
+
+    Returns:
+        ``o`` ``[B, Hq, T, D]`` in the input dtype (fp16, bf16 or fp32; all inputs share it).
+        Differentiable w.r.t. q, k, v, kd, vd.
+
+    Runs on CUDA, or on CPU under ``TRITON_INTERPRET=1`` (slow; tests only). Accumulation is fp32; fp32
+    inputs use exact fp32 products. ``kernels.moda_attn.moda_attn_naive`` is the readable reference.
+    """
+    if (kd is None) != (vd is None):
+        raise ValueError("kd and vd must both be given or both be None")
+    for name, t, nd in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("kd", kd, 5), ("vd", vd, 5)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != nd:
+            raise ValueError(f"{name} must have {nd} dims, got shape {tuple(t.shape)}")
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{name}: unsupported dtype {t.dtype} (fp16, bf16, fp32)")
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name}.dtype={t.dtype} differs from q.dtype={q.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+    B, Hq, T, D = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ")
+    Bk, Hk, Tk, Dk = k.shape
+    if (Bk, Tk, Dk) != (B, T, D):
+        raise ValueError(f"k/v {tuple(k.shape)} do not match q {tuple(q.shape)} in B, T or D")
+    if Hk == 0 or Hq % Hk:
+        raise ValueError(f"Hq={Hq} must be a positive multiple of Hk={Hk}")
+    if D < 16 or D > 256 or D & (D - 1):
+        raise ValueError(f"head dim D={D} must be a power of two in [16, 256]")
+    if kd is not None:
+        if kd.shape != vd.shape:
+            raise ValueError(f"kd {tuple(kd.shape)} and vd {tuple(vd.shape)} differ")
+        if kd.shape[:3] != (B, Hk, T) or kd.shape[4] != D:
+            raise ValueError(f"kd/vd {tuple(kd.shape)} must be [B, Hk, T, S, D] = [{B}, {Hk}, {T}, S, {D}]")
+    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise RuntimeError("moda_attn runs on CUDA (or on CPU with TRITON_INTERPRET=1); use moda_attn_naive")
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    if not scale > 0 or not math.isfinite(scale):
+        raise ValueError(f"scale must be positive and finite, got {scale}")
+
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if kd is not None:
+        kd, vd = _unit_last(kd), _unit_last(vd)
+    if T == 0 or B == 0:
+        o = q.new_zeros(q.shape)
+        # keep the graph connected so backward returns zeros of the right shapes
+        return o + 0 * q.sum() if q.requires_grad else o
+    return _MoDAAttn.apply(q, k, v, kd, vd, scale)

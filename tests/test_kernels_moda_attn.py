@@ -1,0 +1,190 @@
+"""MoDA attention kernel vs the naive reference: output and every gradient, ragged shapes, NaN poison.
+
+Without CUDA the Triton kernels run in the interpreter (TRITON_INTERPRET=1, set before triton is imported).
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ["MIXDEPTH_POISON_EMPTY"] = "1"  # kernel outputs/scratch from torch.empty start as NaN
+
+import pytest  # noqa: E402
+
+from kernels.moda_attn import kernel as K  # noqa: E402
+from kernels.moda_attn import moda_attn, moda_attn_naive  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """(relative L2 error, max abs error) of a against reference b; NaN anywhere fails."""
+    a, b = a.double(), b.double()
+    if a.numel() == 0:
+        return 0.0, 0.0
+    assert torch.isfinite(a).all(), "non-finite values (unwritten output?)"
+    diff = a - b
+    return (diff.norm() / b.norm().clamp_min(1e-30)).item(), diff.abs().max().item()
+
+
+def make(B, Hk, G, T, S, D, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g).to(DEV, dtype).requires_grad_()
+
+    return r(B, Hk * G, T, D), r(B, Hk, T, D), r(B, Hk, T, D), r(B, Hk, T, S, D), r(B, Hk, T, S, D)
+
+
+def run_both(inputs, scale=None, seed=1):
+    o = moda_attn(*inputs, scale=scale)
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(seed)).to(o)
+    grads = torch.autograd.grad(o, inputs, do)
+    o_ref = moda_attn_naive(*inputs, scale=scale)
+    grads_ref = torch.autograd.grad(o_ref, inputs, do, allow_unused=True, materialize_grads=True)
+    return (o, *grads), (o_ref, *grads_ref)
+
+
+NAMES = ("o", "dq", "dk", "dv", "dkd", "dvd")
+
+
+def check(got, ref, tol_rel=1e-5, tol_abs=1e-4):
+    for name, a, b in zip(NAMES, got, ref, strict=True):
+        assert a.shape == b.shape, name
+        rel, mx = rel_err(a, b)
+        ref_max = b.abs().max().item() if b.numel() else 0.0
+        # a reference that is ~0 (dq at T=1: one key, zero gradient) has no meaningful relative error
+        assert mx <= tol_abs * max(1.0, ref_max) and (rel <= tol_rel or ref_max < 1e-4), (name, rel, mx)
+
+
+# (B, Hk, G, T, S, D): covers T in {1, 7, 33, 70}, S in {0, 1, 3}, G in {1, 2, 3, 6}, D in {16, 32, 64}
+CASES = [
+    (1, 1, 1, 1, 0, 16),
+    (1, 1, 2, 1, 3, 32),
+    (1, 2, 1, 7, 1, 32),
+    (1, 1, 3, 7, 3, 16),
+    (2, 1, 3, 33, 0, 16),
+    (1, 2, 2, 33, 1, 64),
+    (1, 1, 3, 33, 3, 32),
+    (1, 1, 1, 70, 3, 16),
+    (1, 1, 2, 70, 0, 32),
+    (2, 1, 3, 70, 1, 16),
+    (1, 1, 6, 9, 2, 16),
+]
+
+
+@pytest.mark.parametrize("B,Hk,G,T,S,D", CASES)
+def test_matches_reference_fp32(B, Hk, G, T, S, D):
+    got, ref = run_both(make(B, Hk, G, T, S, D))
+    check(got, ref)
+
+
+def test_block_shapes_and_atomic_dq():
+    """Unequal tiles (several key blocks per diagonal) and the atomic-dq backward variant."""
+    inputs = make(1, 1, 2, 70, 3, 16, seed=3)
+    try:
+        K.set_config(K.Config(fwd=(32, 16, 1, 1), dkdv=(16, 32, 1, 1), dq=(32, 16, 1, 1), depth_warps=1))
+        check(*run_both(inputs))
+        K.set_config(
+            K.Config(fwd=(16, 16, 1, 1), dkdv=(16, 32, 1, 1), depth_m=32, depth_warps=1, dq_atomic=True)
+        )
+        check(*run_both(inputs))
+    finally:
+        K.set_config(None)
+
+
+def test_custom_scale_and_large_logits():
+    inputs = make(1, 1, 2, 33, 3, 16, seed=4)
+    check(*run_both(inputs, scale=0.9))  # logits ~ +-15: exercises the running-max rescaling
+
+
+def test_strided_slot_buffer_prefix():
+    """A prefix view of a preallocated slot buffer is read in place and matches a contiguous copy."""
+    B, Hk, G, T, S_max, n, D = 1, 1, 2, 33, 5, 3, 16
+    q, k, v, _, _ = make(B, Hk, G, T, 0, D, seed=5)
+    g = torch.Generator().manual_seed(6)
+    kbuf = torch.randn(B, Hk, T, S_max, D, generator=g).to(DEV).requires_grad_()
+    vbuf = torch.randn(B, Hk, T, S_max, D, generator=g).to(DEV).requires_grad_()
+    kd, vd = kbuf[:, :, :, :n], vbuf[:, :, :, :n]
+    assert not kd.is_contiguous()
+    o = moda_attn(q, k, v, kd, vd)
+    do = torch.randn_like(o)
+    got = (o, *torch.autograd.grad(o, (q, k, v, kbuf, vbuf), do))
+    o_ref = moda_attn_naive(q, k, v, kd, vd)
+    ref = (o_ref, *torch.autograd.grad(o_ref, (q, k, v, kbuf, vbuf), do))
+    check(got, ref)
+    assert got[4][:, :, :, n:].abs().max() == 0  # unused slots get no gradient
+
+
+def test_none_depth_is_plain_causal():
+    q, k, v, kd, vd = make(1, 1, 2, 33, 0, 16, seed=7)
+    o = moda_attn(q, k, v)
+    o_sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q.detach(), k.detach().repeat_interleave(2, 1), v.detach().repeat_interleave(2, 1), is_causal=True
+    )
+    assert rel_err(o, o_sdpa)[0] < 1e-5
+    assert rel_err(o, moda_attn(q, k, v, kd, vd))[0] < 1e-6
+
+
+def test_fp16_interpreter_or_gpu():
+    inputs = make(1, 2, 2, 33, 3, 32, dtype=torch.float16, seed=8)
+    got, ref = run_both(inputs)
+    for name, a, b in zip(NAMES, got, ref, strict=True):
+        assert rel_err(a, b)[0] < 1e-2, name
+
+
+def test_joint_softmax_not_two_softmaxes():
+    """Guards the semantics: one shared denominator, not softmax(seq) @ V + softmax(depth) @ Vd."""
+    q, k, v, kd, vd = (t.detach() for t in make(1, 1, 2, 7, 3, 16, seed=9))
+    G, D = 2, 16
+    s_seq = (q @ k.repeat_interleave(G, 1).transpose(-1, -2)) / D**0.5
+    s_seq = s_seq.masked_fill(~torch.ones(7, 7, dtype=torch.bool).tril().to(DEV), float("-inf"))
+    s_dep = torch.einsum("bhtd,bhtsd->bhts", q, kd.repeat_interleave(G, 1)) / D**0.5
+    separate = s_seq.softmax(-1) @ v.repeat_interleave(G, 1) + torch.einsum(
+        "bhts,bhtsd->bhtd", s_dep.softmax(-1), vd.repeat_interleave(G, 1)
+    )
+    ours = moda_attn(q, k, v, kd, vd)
+    assert rel_err(ours, moda_attn_naive(q, k, v, kd, vd))[0] < 1e-5
+    assert rel_err(ours, separate)[0] > 0.1
+
+
+def test_reference_gradcheck_fp64():
+    g = torch.Generator().manual_seed(10)
+    for S in (0, 2):
+        ins = tuple(
+            torch.randn(*s, generator=g, dtype=torch.float64).requires_grad_()
+            for s in ((1, 2, 3, 4), (1, 1, 3, 4), (1, 1, 3, 4), (1, 1, 3, S, 4), (1, 1, 3, S, 4))
+        )
+        assert torch.autograd.gradcheck(lambda *a: moda_attn_naive(*a), ins[: 5 if S else 3])
+
+
+@pytest.mark.parametrize(
+    "shapes,err",
+    [  # Hq % Hk, D mismatch, S mismatch, T (depth), T (k/v), D not a power of two, rank
+        (((1, 3, 5, 16), (1, 2, 5, 16), (1, 2, 5, 16), (1, 2, 5, 1, 16), (1, 2, 5, 1, 16)), ValueError),
+        (((1, 2, 5, 16), (1, 1, 5, 32), (1, 1, 5, 32), (1, 1, 5, 1, 32), (1, 1, 5, 1, 32)), ValueError),
+        (((1, 2, 5, 16), (1, 1, 5, 16), (1, 1, 5, 16), (1, 1, 5, 2, 16), (1, 1, 5, 3, 16)), ValueError),
+        (((1, 2, 5, 16), (1, 1, 5, 16), (1, 1, 5, 16), (1, 1, 4, 2, 16), (1, 1, 4, 2, 16)), ValueError),
+        (((1, 2, 5, 16), (1, 1, 6, 16), (1, 1, 6, 16), (1, 1, 5, 2, 16), (1, 1, 5, 2, 16)), ValueError),
+        (((1, 2, 5, 24), (1, 1, 5, 24), (1, 1, 5, 24), (1, 1, 5, 2, 24), (1, 1, 5, 2, 24)), ValueError),
+        (((2, 5, 16), (1, 1, 5, 16), (1, 1, 5, 16), (1, 1, 5, 2, 16), (1, 1, 5, 2, 16)), ValueError),
+    ],
+)
+def test_bad_shapes(shapes, err):
+    ins = [torch.randn(*s, device=DEV) for s in shapes]
+    with pytest.raises(err):
+        moda_attn(*ins)
+
+
+def test_bad_dtype_and_half_depth():
+    q, k, v, kd, vd = (t.detach() for t in make(1, 1, 2, 5, 1, 16))
+    with pytest.raises(TypeError):
+        moda_attn(q, k.double(), v, kd, vd)
+    with pytest.raises(TypeError):
+        moda_attn(q, k, v, kd.half(), vd.half())
+    with pytest.raises(ValueError):
+        moda_attn(q, k, v, kd, None)
+    with pytest.raises(ValueError):
+        moda_attn(q, k, v, kd, vd, scale=-1.0)

@@ -1,0 +1,179 @@
+"""Typed, frozen configuration merged from conf/ YAML and ``key=value`` overrides with omegaconf.
+
+Layers, last wins: conf/base.yaml, conf/sweep/<preset>.yaml, command-line overrides. The ``model`` section
+holds keys of the family configs (models/<arch>.py); each arch in ``sweep.archs`` gets its own family
+defaults (conf/model/<arch>.yaml) with the shared ``model`` keys that it knows, then the ladder shape.
+Unknown keys and wrong types raise ConfigError with one line naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from mixdepth.data import DataConfig
+from mixdepth.models import MODELS
+
+
+class ConfigError(ValueError):
+    """A bad configuration key or value, reported in one line."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    batch_size: int = 16
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_frac: float = 0.05  # share of steps for linear warmup (at least one step)
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 0
+    accelerator: str = "auto"  # auto | cpu | gpu
+    precision: str = "auto"  # auto: 32-true on CPU, bf16-mixed on GPU; or any Lightning precision string
+    compile: bool = False  # torch.compile the model (GPU presets)
+    peak_flops: float = 0.0  # FLOP/s assumed for MFU; 0: known-device table, else MFU is not reported
+    log_every: int = 10  # steps between curve points
+    threads: int = 0  # torch.set_num_threads on CPU; 0 leaves PyTorch's default
+    progress: bool = True  # Lightning's progress bar
+
+
+@dataclass(frozen=True)
+class Shape:
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int = 0  # 0: same as n_heads (multi-head attention)
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    name: str = "isoflop"
+    archs: list[str] = field(default_factory=lambda: ["dense"])
+    budgets: list[float] = field(default_factory=lambda: [1e12])  # training FLOPs C per grid point
+    ladder: list[Shape] = field(default_factory=list)  # model sizes tried at every budget
+    min_steps: int = 20  # grid points that would train fewer steps are left out of the plan
+    bootstrap: int = 200  # bootstrap resamples for fit confidence intervals
+
+
+@dataclass(frozen=True)
+class LabConfig:
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    model: dict[str, Any] = field(default_factory=dict)  # family keys, checked against sweep.archs
+
+
+def _one_line(e: OmegaConfBaseException) -> str:
+    key = getattr(e, "full_key", None) or getattr(e, "key", None)
+    msg = str(e).strip().splitlines()[0]
+    if "not in" in msg and key:
+        return f"unknown config key '{key}'"
+    return f"bad value for config key '{key}': {msg}" if key else msg
+
+
+def _yaml(path: Path):
+    try:
+        return OmegaConf.load(path)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} not found") from None
+    except Exception as e:  # yaml syntax errors
+        raise ConfigError(f"cannot parse {path}: {str(e).splitlines()[0]}") from None
+
+
+def _dotlist(overrides: list[str]):
+    for o in overrides:
+        if "=" not in o or o.startswith("="):
+            raise ConfigError(f"override {o!r} is not key=value")
+    try:
+        return OmegaConf.from_dotlist(list(overrides))
+    except OmegaConfBaseException as e:
+        raise ConfigError(_one_line(e)) from None
+
+
+def load_config(conf_dir: Path, preset: str = "isoflop", overrides: list[str] = ()) -> LabConfig:
+    """Merge base.yaml, sweep/<preset>.yaml and overrides into a validated LabConfig."""
+    preset_path = conf_dir / "sweep" / f"{preset}.yaml"
+    if not preset_path.exists():
+        names = sorted(p.stem for p in (conf_dir / "sweep").glob("*.yaml"))
+        raise ConfigError(f"unknown preset {preset!r}; available: {', '.join(names)}")
+    try:
+        merged = OmegaConf.merge(
+            OmegaConf.structured(LabConfig), _yaml(conf_dir / "base.yaml"), _yaml(preset_path), _dotlist(overrides)
+        )
+        lab: LabConfig = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        raise ConfigError(_one_line(e)) from None
+    _validate(lab, conf_dir)
+    return lab
+
+
+def _validate(lab: LabConfig, conf_dir: Path) -> None:
+    s = lab.sweep
+    for arch in s.archs:
+        if arch not in MODELS:
+            raise ConfigError(f"unknown arch {arch!r} in sweep.archs; known: {', '.join(MODELS)}")
+    if not s.budgets:
+        raise ConfigError("sweep.budgets is empty")
+    for c in s.budgets:
+        if not c > 0:
+            raise ConfigError(f"sweep.budgets must be positive FLOP counts, got {c:g}")
+    if not s.ladder:
+        raise ConfigError("sweep.ladder is empty")
+    for key in ("batch_size", "log_every"):
+        if getattr(lab.train, key) <= 0:
+            raise ConfigError(f"train.{key} must be positive, got {getattr(lab.train, key)}")
+    if not lab.train.lr > 0:
+        raise ConfigError(f"train.lr must be positive, got {lab.train.lr}")
+    known = {f.name for arch in s.archs for f in dataclasses.fields(MODELS[arch][0])}
+    for key in lab.model:
+        if key not in known:
+            raise ConfigError(f"unknown config key 'model.{key}' for archs {', '.join(s.archs)}")
+        if key in ("arch", "seq_len", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads"):
+            where = "data.seq_len" if key == "seq_len" else "the tokenizer" if key == "vocab_size" else "sweep.ladder"
+            raise ConfigError(f"config key 'model.{key}' is set by {where}, not by model.*")
+    for arch in s.archs:  # build one model config per arch now so bad values fail before any training
+        model_config(lab, arch, s.ladder[0], conf_dir)
+
+
+def vocab_size(data: DataConfig) -> int:
+    """The model vocabulary implied by the data config (known before the corpus is read)."""
+    if data.tokenizer == "bpe":
+        return data.bpe_vocab_size
+    if data.corpus.endswith(".bin"):
+        return data.bin_vocab_size
+    return 256
+
+
+def model_config(lab: LabConfig, arch: str, shape: Shape, conf_dir: Path):
+    """The family config of ``arch`` at ``shape``: family YAML, then shared model keys, then the shape."""
+    cls = MODELS[arch][0]
+    names = {f.name for f in dataclasses.fields(cls)}
+    family = conf_dir / "model" / f"{arch}.yaml"
+    layers = [OmegaConf.structured(cls)]
+    if family.exists():
+        layers.append(_yaml(family))
+    layers.append(OmegaConf.create({k: v for k, v in lab.model.items() if k in names}))
+    fixed = {
+        "arch": arch, "d_model": shape.d_model, "n_layers": shape.n_layers, "n_heads": shape.n_heads,
+        "n_kv_heads": shape.n_kv_heads or shape.n_heads, "seq_len": lab.data.seq_len,
+        "vocab_size": vocab_size(lab.data),
+    }
+    layers.append(OmegaConf.create(fixed))
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(*layers))
+    except OmegaConfBaseException as e:
+        raise ConfigError(_one_line(e).replace("config key '", "config key 'model.")) from None
+    except ValueError as e:  # the family's own shape checks
+        raise ConfigError(str(e)) from None
+
+
+def to_dict(cfg: Any) -> dict:
+    """A plain JSON-able dict of a config dataclass."""
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,7 @@
+"""Model families. Adding one: its family file, one line in MODELS, conf/model/<arch>.yaml, its tests."""
+
+from mixdepth.models.dense import DenseConfig, DenseLM
+
+MODELS: dict[str, tuple[type, type]] = {
+    "dense": (DenseConfig, DenseLM),
+}

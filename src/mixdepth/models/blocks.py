@@ -1,0 +1,130 @@
+"""Shared transformer blocks: RMSNorm, RoPE, GQA attention, SwiGLU MLP, pre/post-norm block.
+
+Plain PyTorch, no Lightning. Attention takes explicit token positions so that routed families (MoD) can
+run a block on a gathered subset of tokens with their ORIGINAL RoPE positions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # normalise in fp32 for bf16 stability
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding (half-split layout) with a cos/sin table for positions < max_len."""
+
+    def __init__(self, head_dim: int, max_len: int, theta: float = 10000.0):
+        super().__init__()
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # [L, hd/2]
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor | None) -> torch.Tensor:
+        """x: [B, H, T, hd]; pos: None (0..T-1) or [B, T] original positions."""
+        T = x.shape[2]
+        if pos is None:
+            cos, sin = self.cos[:T], self.sin[:T]  # [T, hd/2]
+        else:
+            cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)  # [B, 1, T, hd/2]
+        x1, x2 = x.float().chunk(2, dim=-1)
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return out.to(x.dtype)
+
+
+def naive_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Reference causal GQA attention with explicit matmuls (fp32 softmax).
+
+    q: [B, Hq, T, hd]; k, v: [B, Hk, T, hd] -> [B, Hq, T, hd]. Visible to FLOP counters, unlike SDPA on CPU.
+    """
+    G = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+    T = q.shape[2]
+    scores = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5  # [B, Hq, T, T]
+    mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(v.dtype)
+    return probs @ v
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention; query head h reads KV head h // (n_heads // n_kv_heads).
+
+    ``impl='sdpa'`` uses the fused PyTorch kernels; ``'naive'`` the explicit reference above.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, qk_norm: bool, impl: str = "sdpa"):
+        super().__init__()
+        self.impl = impl
+        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
+        self.head_dim = d_model // n_heads
+        self.wq = nn.Linear(d_model, n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * self.head_dim, d_model, bias=False)
+        self.q_norm = RMSNorm(self.head_dim) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim) if qk_norm else None
+
+    def qkv(self, x: torch.Tensor, rope: Rotary, pos: torch.Tensor | None):
+        """x: [B, T, D] -> q [B, Hq, T, hd], k and v [B, Hk, T, hd], RoPE applied at ``pos``."""
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return rope(q, pos), rope(k, pos), v
+
+    def forward(self, x: torch.Tensor, rope: Rotary, pos: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [B, T, D] with tokens in increasing position order -> [B, T, D]."""
+        B, T, D = x.shape
+        q, k, v = self.qkv(x, rope, pos)
+        if self.impl == "naive":
+            y = naive_causal_attention(q, k, v)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_heads != self.n_kv_heads)
+        return self.wo(y.transpose(1, 2).reshape(B, T, D))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d_model: int, d_ff: int):
+        super().__init__()
+        self.w1 = nn.Linear(d_model, d_ff, bias=False)
+        self.w3 = nn.Linear(d_model, d_ff, bias=False)
+        self.w2 = nn.Linear(d_ff, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """Attention + MLP with ``norm='pre'`` (x + f(N(x))) or ``'post'`` (N(x + f(x)))."""
+
+    def __init__(
+        self, d_model: int, n_heads: int, n_kv_heads: int, d_ff: int, qk_norm: bool, norm: str, attn_impl: str
+    ):
+        super().__init__()
+        self.pre = norm == "pre"
+        self.attn = Attention(d_model, n_heads, n_kv_heads, qk_norm, attn_impl)
+        self.mlp = SwiGLU(d_model, d_ff)
+        self.norm1, self.norm2 = RMSNorm(d_model), RMSNorm(d_model)
+
+    def forward(self, x: torch.Tensor, rope: Rotary, pos: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [B, T, D] -> [B, T, D]."""
+        if self.pre:
+            x = x + self.attn(self.norm1(x), rope, pos)
+            return x + self.mlp(self.norm2(x))
+        x = self.norm1(x + self.attn(x, rope, pos))
+        return self.norm2(x + self.mlp(x))

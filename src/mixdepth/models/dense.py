@@ -1,0 +1,130 @@
+"""Dense decoder-only transformer: the baseline every routed family is compared against."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mixdepth.models.blocks import Block, RMSNorm, Rotary
+
+
+class ModelConfigError(ValueError):
+    """An inconsistent model shape, reported in one line."""
+
+
+def default_d_ff(d_model: int) -> int:
+    """SwiGLU width: 8/3 · d_model rounded up to a multiple of 16 (keeps parameters near a 4x GELU MLP)."""
+    return -(-8 * d_model // 3 // 16) * 16
+
+
+@dataclass(frozen=True)
+class DenseConfig:
+    arch: str = "dense"
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 4
+    d_ff: int = 0  # 0: default_d_ff(d_model)
+    vocab_size: int = 256
+    seq_len: int = 128
+    qk_norm: bool = False
+    norm: str = "pre"  # pre: x + f(N(x)); post: N(x + f(x))
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+    init_std: float = 0.02
+    attn_impl: str = "sdpa"  # sdpa (fused kernels) | naive (explicit matmuls: reference, FLOP counting)
+
+    def __post_init__(self):
+        if self.d_ff == 0:
+            object.__setattr__(self, "d_ff", default_d_ff(self.d_model))
+        for k in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "vocab_size", "seq_len"):
+            if getattr(self, k) <= 0:
+                raise ModelConfigError(f"model.{k} must be positive, got {getattr(self, k)}")
+        if self.d_model % self.n_heads:
+            raise ModelConfigError(f"model.d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ModelConfigError(f"model.n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
+        if (self.d_model // self.n_heads) % 2:
+            raise ModelConfigError(f"model head dim {self.d_model // self.n_heads} must be even for RoPE")
+        if self.norm not in ("pre", "post"):
+            raise ModelConfigError(f"model.norm must be 'pre' or 'post', got {self.norm!r}")
+        if self.attn_impl not in ("sdpa", "naive"):
+            raise ModelConfigError(f"model.attn_impl must be 'sdpa' or 'naive', got {self.attn_impl!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    # ---- parameters -------------------------------------------------------------------------------
+    def block_params(self) -> int:
+        d, hd = self.d_model, self.head_dim
+        attn = d * self.n_heads * hd * 2 + d * self.n_kv_heads * hd * 2  # wq, wo, wk, wv
+        qk = 2 * hd if self.qk_norm else 0
+        return attn + qk + 3 * d * self.d_ff + 2 * d  # + SwiGLU + two norms
+
+    def n_params(self) -> dict[str, int]:
+        """total, nonembed (total minus the input embedding) and active (touched per token) parameters."""
+        emb = self.vocab_size * self.d_model
+        head = 0 if self.tie_embeddings else self.vocab_size * self.d_model
+        total = emb + head + self.n_layers * self.block_params() + self.d_model
+        return {"total": total, "nonembed": total - emb, "active": total}
+
+    # ---- FLOPs (DESIGN section 5: matmuls at 2mnk, attention over the mean causal context) ----------
+    def attn_flops(self, n_tokens: float, context: float) -> float:
+        """Forward FLOPs of one attention sublayer for n_tokens queries over a mean context length."""
+        d, hd = self.d_model, self.head_dim
+        proj = 2 * d * hd * (2 * self.n_heads + 2 * self.n_kv_heads)
+        return n_tokens * (proj + 4 * self.n_heads * hd * context)  # + QK^T and AV
+
+    def mlp_flops(self, n_tokens: float) -> float:
+        return n_tokens * 2 * 3 * self.d_model * self.d_ff
+
+    def head_flops(self) -> float:
+        return 2 * self.d_model * self.vocab_size
+
+    def flops_per_token(self) -> float:
+        """Exact forward FLOPs per token at sequence length seq_len (causal mean context (T+1)/2)."""
+        ctx = (self.seq_len + 1) / 2
+        return self.n_layers * (self.attn_flops(1, ctx) + self.mlp_flops(1)) + self.head_flops()
+
+
+class DenseLM(nn.Module):
+    """Decoder-only LM. forward(idx [B, T]) -> logits [B, T, V]."""
+
+    def __init__(self, cfg: DenseConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(self.make_block(i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.embed.weight
+        self.rope = Rotary(cfg.head_dim, cfg.seq_len, cfg.rope_theta)
+        self.apply(self._init)
+        # scale residual-branch outputs by depth (GPT-2 style) so deeper ladders start stable
+        for name, p in self.named_parameters():
+            if name.endswith(("wo.weight", "w2.weight")):
+                nn.init.normal_(p, std=cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+
+    def make_block(self, layer: int) -> nn.Module:
+        c = self.cfg
+        return Block(c.d_model, c.n_heads, c.n_kv_heads, c.d_ff, c.qk_norm, c.norm, c.attn_impl)
+
+    def _init(self, m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=self.cfg.init_std)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)  # [B, T, D]
+        for block in self.blocks:
+            x = block(x, self.rope)
+        return self.head(self.norm(x))  # [B, T, V]
+
+    def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy (nats); logits upcast to fp32."""
+        logits = self(idx)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())

@@ -1,0 +1,162 @@
+"""``fit(run) -> RunResult``: one training run with Lightning. No database, no Optuna."""
+
+from __future__ import annotations
+
+import logging
+import math
+import platform
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ThroughputMonitor
+
+from mixdepth.config import TrainConfig
+from mixdepth.data import DataConfig, LMDataModule
+from mixdepth.lit import LitLM
+from mixdepth.models import MODELS
+
+# Dense bf16 peak FLOP/s of chips Lightning does not name correctly ("NVIDIA H200" is not in its table).
+PEAK_FLOPS = {"H200": 989.5e12, "H100": 989.5e12}
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: Any  # a family config from mixdepth.models.MODELS
+    data: DataConfig
+    train: TrainConfig
+    steps: int
+
+
+@dataclass(frozen=True)
+class RunResult:
+    status: str  # ok | diverged
+    val_loss: float
+    train_loss: float
+    steps: int
+    tokens: int
+    train_flops: float  # 3 x forward FLOPs per token x tokens
+    wall_s: float
+    tokens_per_s: float
+    mfu: float | None
+    peak_flops: float | None
+    device: str
+    precision: str
+    corpus: str
+    corpus_fingerprint: str
+    versions: dict[str, str]
+    curve: list[dict] = field(default_factory=list)
+
+
+class PeakThroughputMonitor(ThroughputMonitor):
+    """Lightning's ThroughputMonitor with a supplied peak; keeps the training Throughput for the summary."""
+
+    def __init__(self, peak_flops: float | None, **kwargs):
+        super().__init__(batch_size_fn=lambda b: b[0].shape[0], length_fn=lambda b: b[0].numel(), **kwargs)
+        self.peak = peak_flops
+
+    def setup(self, trainer, pl_module, stage):
+        super().setup(trainer, pl_module, stage)
+        if self.peak:
+            for tp in self._throughputs.values():
+                tp.available_flops = self.peak
+
+    def summary(self) -> dict[str, float]:
+        from lightning.pytorch.trainer.states import RunningStage
+
+        return self._throughputs[RunningStage.TRAINING].compute()
+
+
+def device_name(accelerator: str) -> str:
+    if accelerator == "gpu":
+        return torch.cuda.get_device_name(0)
+    return f"cpu:{platform.machine()}x{torch.get_num_threads()}"
+
+
+def peak_flops(train: TrainConfig, accelerator: str, precision: str) -> float | None:
+    """The peak MFU is measured against: the config's, our table's, then Lightning's; None if unknown."""
+    if train.peak_flops > 0:
+        return train.peak_flops
+    if accelerator != "gpu":
+        return None
+    name = torch.cuda.get_device_name(0)
+    for chip, peak in PEAK_FLOPS.items():
+        if chip in name and "bf16" in precision:
+            return peak
+    from lightning.fabric.utilities.throughput import get_available_flops
+
+    dtype = torch.bfloat16 if "bf16" in precision else torch.float16 if "16" in precision else torch.float32
+    flops = get_available_flops(torch.device("cuda", 0), dtype)
+    return float(flops) if flops else None
+
+
+def versions() -> dict[str, str]:
+    out = {"python": sys.version.split()[0], "torch": torch.__version__, "lightning": L.__version__}
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        out["cuda"] = str(torch.version.cuda)
+    return out
+
+
+def _quiet() -> None:
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    for msg in ("does not have many workers", "no `val_dataloader`", "LeafSpec", "sync_dist"):
+        warnings.filterwarnings("ignore", message=f".*{msg}.*")
+
+
+def fit(run: RunConfig, cache_dir: Path | None = None) -> RunResult:
+    """Train ``run.model`` for ``run.steps`` steps and evaluate on the fixed held-out set."""
+    _quiet()
+    t = run.train
+    if t.threads > 0:
+        torch.set_num_threads(t.threads)
+    accelerator = t.accelerator if t.accelerator != "auto" else ("gpu" if torch.cuda.is_available() else "cpu")
+    precision = t.precision if t.precision != "auto" else ("bf16-mixed" if accelerator == "gpu" else "32-true")
+    L.seed_everything(t.seed, verbose=False)
+
+    dm = LMDataModule(run.data, batch_size=t.batch_size, seed=t.seed, cache_dir=cache_dir)
+    dm.setup("fit")
+    corpus = dm.corpus
+    model = MODELS[run.model.arch][1](run.model)
+    if t.compile:
+        model.compile()
+    tokens_per_batch = t.batch_size * run.data.seq_len
+    fpt = run.model.flops_per_token()
+    lit = LitLM(model, t, run.steps, flops_per_batch=3 * fpt * tokens_per_batch)
+    peak = peak_flops(t, accelerator, precision)
+    monitor = PeakThroughputMonitor(peak, window_size=max(2, min(100, run.steps // 2)))
+    trainer = L.Trainer(
+        accelerator=accelerator, devices=1, precision=precision, max_steps=run.steps,
+        gradient_clip_val=t.grad_clip or None, logger=False, enable_checkpointing=False,
+        enable_model_summary=False, enable_progress_bar=t.progress, num_sanity_val_steps=0,
+        limit_val_batches=0, callbacks=[monitor], log_every_n_steps=t.log_every,
+    )
+    start = time.perf_counter()
+    trainer.fit(lit, train_dataloaders=dm.train_dataloader())
+    wall = time.perf_counter() - start
+    trainer.limit_val_batches = 1.0
+    trainer.validate(lit, dataloaders=dm.val_dataloader(), verbose=False)
+
+    tp = monitor.summary()
+    tokens = run.steps * tokens_per_batch
+    tail = [p["train_loss"] for p in lit.curve[-max(1, len(lit.curve) // 10):]]
+    val = lit.final_val_loss if lit.final_val_loss is not None else float("nan")
+    tps = tp.get("device/items_per_sec", tokens / wall)
+    return RunResult(
+        status="ok" if math.isfinite(val) else "diverged",
+        val_loss=val, train_loss=sum(tail) / len(tail), steps=run.steps, tokens=tokens,
+        train_flops=3 * fpt * tokens, wall_s=wall, tokens_per_s=tps,
+        mfu=tp.get("device/mfu"), peak_flops=peak, device=device_name(accelerator), precision=precision,
+        corpus=corpus.name, corpus_fingerprint=corpus.fingerprint, versions=versions(), curve=lit.curve,
+    )

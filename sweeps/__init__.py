@@ -1,0 +1,1 @@
+"""Sweep runner: plan -> Optuna work queue -> train.fit -> DuckDB -> fits, plots, report."""

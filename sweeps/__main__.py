@@ -1,0 +1,45 @@
+"""``python -m sweeps isoflop [--preset NAME] [--db PATH] [--dry-run] [key=value ...]``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sweeps", description="Scaling-law sweeps for the MoD family.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    iso = sub.add_parser("isoflop", help="run an isoFLOP grid: budgets x size ladder x archs")
+    iso.add_argument("overrides", nargs="*", help="config overrides key=value (e.g. train.lr=1e-3)")
+    iso.add_argument("--preset", default="isoflop", help="conf/sweep/<preset>.yaml (default: isoflop, CPU)")
+    iso.add_argument("--db", type=Path, default=Path("results.db"), help="DuckDB file (default: results.db)")
+    iso.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    iso.add_argument("--conf", type=Path, default=CONF_DIR, help="config folder (default: the package's conf/)")
+    args = p.parse_args(argv)
+
+    from mixdepth.config import ConfigError
+    from mixdepth.data import DataError
+    from mixdepth.results import StoreError
+
+    try:
+        from mixdepth.config import load_config
+        from sweeps.runner import run_isoflop
+
+        lab = load_config(args.conf, args.preset, args.overrides)
+        return run_isoflop(lab, args.conf, args.db.expanduser().absolute(), args.preset, args.dry_run)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (DataError, StoreError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted: finished runs are in the database; rerun the same command to resume", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""The isoFLOP plan: every (arch, budget, shape) grid point with its exact FLOPs, tokens and steps."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from mixdepth.config import ConfigError, LabConfig, Shape, model_config
+from mixdepth.flops import steps_for_budget
+
+
+@dataclass(frozen=True)
+class Trial:
+    run_id: str
+    arch: str
+    budget: float
+    shape: Shape
+    model: Any  # the family config
+    params: dict[str, int]
+    flops_per_token: float
+    tokens: int
+    steps: int
+
+    @property
+    def train_flops(self) -> float:
+        return 3 * self.flops_per_token * self.tokens
+
+
+def digest(obj: Any, n: int = 12) -> str:
+    return hashlib.sha1(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:n]
+
+
+def sweep_id(lab: LabConfig, preset: str) -> str:
+    """Deterministic id: the same preset and overrides resume the same sweep."""
+    return f"{lab.sweep.name}-{digest([preset, asdict(lab)], 8)}"
+
+
+def plan(lab: LabConfig, conf_dir: Path, sid: str) -> tuple[list[Trial], list[str]]:
+    """All grid points that train at least sweep.min_steps steps, and notes on those left out."""
+    s, t = lab.sweep, lab.train
+    tokens_per_step = t.batch_size * lab.data.seq_len
+    trials, notes = [], []
+    for arch in s.archs:
+        models = [(shape, model_config(lab, arch, shape, conf_dir)) for shape in s.ladder]
+        for budget in s.budgets:
+            kept = 0
+            for shape, m in models:
+                fpt = m.flops_per_token()
+                steps = steps_for_budget(fpt, budget, tokens_per_step)
+                if steps < s.min_steps:
+                    notes.append(
+                        f"{arch} C={budget:.2e} d={shape.d_model} L={shape.n_layers}: {steps} steps"
+                        f" < sweep.min_steps={s.min_steps}, left out"
+                    )
+                    continue
+                kept += 1
+                rid = digest([sid, arch, budget, asdict(m), asdict(lab.data), asdict(t), steps])
+                trials.append(
+                    Trial(rid, arch, budget, shape, m, m.n_params(), fpt, steps * tokens_per_step, steps)
+                )
+            if not kept:
+                need = min(3 * m.flops_per_token() for _, m in models) * s.min_steps * tokens_per_step
+                raise ConfigError(
+                    f"budget {budget:.3g} FLOPs is below the smallest {arch} model's cost"
+                    f" ({need:.3g} FLOPs for sweep.min_steps={s.min_steps} steps)"
+                )
+    return trials, notes
+
+
+def table(trials: list[Trial]) -> str:
+    """The plan as a fixed-width text table."""
+    head = ("arch", "budget", "d_model", "layers", "heads", "params", "nonembed", "FLOPs/token", "tokens", "steps")
+    rows = [
+        (
+            t.arch, f"{t.budget:.2e}", str(t.shape.d_model), str(t.shape.n_layers), str(t.shape.n_heads),
+            f"{t.params['total']:,}", f"{t.params['nonembed']:,}", f"{t.flops_per_token:.4g}",
+            f"{t.tokens:,}", str(t.steps),
+        )
+        for t in trials
+    ]
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    fmt = "  ".join(f"{{:>{w}}}" for w in widths)
+    return "\n".join([fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows])

@@ -1,0 +1,105 @@
+"""Run an isoFLOP sweep: Optuna holds the work queue, DuckDB the record, analysis the fits and figures."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import optuna
+
+from mixdepth import results
+from mixdepth.config import LabConfig
+from mixdepth.data import load_corpus
+from mixdepth.train import RunConfig, RunResult, fit
+from sweeps.plan import Trial, plan, sweep_id, table
+
+
+def run_row(sid: str, trial: Trial, lab: LabConfig, res: RunResult) -> dict:
+    m = trial.model
+    return {
+        "run_id": trial.run_id, "sweep_id": sid, "arch": trial.arch, "budget": trial.budget,
+        "d_model": m.d_model, "n_layers": m.n_layers, "n_heads": m.n_heads, "n_kv_heads": m.n_kv_heads,
+        "d_ff": m.d_ff, "seq_len": m.seq_len, "vocab_size": m.vocab_size,
+        "params_total": trial.params["total"], "params_nonembed": trial.params["nonembed"],
+        "params_active": trial.params["active"], "flops_per_token": trial.flops_per_token,
+        "flops_6nd": 6 * trial.params["nonembed"] * res.tokens, "train_flops": res.train_flops,
+        "tokens": res.tokens, "steps": res.steps, "batch_size": lab.train.batch_size, "lr": lab.train.lr,
+        "seed": lab.train.seed, "status": res.status, "val_loss": res.val_loss, "train_loss": res.train_loss,
+        "wall_s": res.wall_s, "tokens_per_s": res.tokens_per_s, "mfu": res.mfu, "peak_flops": res.peak_flops,
+        "device": res.device, "precision": res.precision, "versions": res.versions, "corpus": res.corpus,
+        "corpus_fingerprint": res.corpus_fingerprint,
+        "config": {"model": asdict(m), "data": asdict(lab.data), "train": asdict(lab.train)},
+    }
+
+
+def _queue(db: Path, sid: str, todo: list[Trial], all_ids: list[str]) -> optuna.Study:
+    """The Optuna study beside the DB; stale RUNNING/WAITING trials of a killed process are failed first."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    backend = optuna.storages.journal.JournalFileBackend(str(db) + ".optuna.log")
+    storage = optuna.storages.JournalStorage(backend)
+    study = optuna.create_study(
+        study_name=sid, storage=storage, direction="minimize", load_if_exists=True,
+        sampler=optuna.samplers.RandomSampler(seed=0),
+    )
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,
+                                                     optuna.trial.TrialState.WAITING)):
+        storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
+    for t in todo:
+        study.enqueue_trial({"run_id": t.run_id})
+    study.set_user_attr("run_ids", all_ids)
+    return study
+
+
+def run_isoflop(lab: LabConfig, conf_dir: Path, db: Path, preset: str, dry_run: bool) -> int:
+    sid = sweep_id(lab, preset)
+    trials, notes = plan(lab, conf_dir, sid)
+    if dry_run:
+        print(f"sweep {sid}: {len(trials)} runs, {sum(t.train_flops for t in trials):.3g} training FLOPs")
+        print(table(trials))
+        for n in notes:
+            print("note:", n)
+        return 0
+    load_corpus(lab.data)  # fail on a bad corpus before the database is touched
+    con = results.connect(db)
+    try:
+        results.add_sweep(con, sid, lab.sweep.name, preset, asdict(lab))
+        done = results.finished_run_ids(con)
+    finally:
+        con.close()
+    todo = [t for t in trials if t.run_id not in done]
+    by_id = {t.run_id: t for t in trials}
+    print(f"sweep {sid}: {len(trials)} runs planned, {len(trials) - len(todo)} already in {db}, {len(todo)} to run")
+    study = _queue(db, sid, todo, list(by_id))
+    counter = {"i": 0}
+
+    def objective(trial: optuna.Trial) -> float:
+        t = by_id[trial.suggest_categorical("run_id", list(by_id))]
+        counter["i"] += 1
+        print(
+            f"[{counter['i']}/{len(todo)}] {t.arch} C={t.budget:.2e} d_model={t.shape.d_model}"
+            f" layers={t.shape.n_layers} params={t.params['nonembed']:,} tokens={t.tokens:,} steps={t.steps}",
+            flush=True,
+        )
+        res = fit(RunConfig(model=t.model, data=lab.data, train=replace(lab.train), steps=t.steps))
+        con = results.connect(db)
+        try:
+            results.add_run(con, run_row(sid, t, lab, res), res.curve)
+        finally:
+            con.close()
+        print(f"    val_loss={res.val_loss:.4f} ({res.wall_s:.1f}s, {res.tokens_per_s:,.0f} tok/s)", flush=True)
+        return res.val_loss
+
+    start = time.perf_counter()
+    if todo:
+        study.optimize(objective, n_trials=len(todo), catch=())
+    print(f"trained {len(todo)} runs in {time.perf_counter() - start:.0f}s")
+
+    from analysis.pipeline import run_all
+
+    out_dir = db.parent / f"{db.stem}_report" / sid
+    paths = run_all(db, sid, out_dir, bootstrap=lab.sweep.bootstrap)
+    print(f"results: {db}")
+    for name, p in paths.items():
+        print(f"{name}: {p}")
+    return 0

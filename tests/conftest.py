@@ -1,0 +1,28 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT.parent / "shared" / "fixtures"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cache(tmp_path_factory):
+    """Tokenised corpora are cached per session, away from the user's ~/.cache."""
+    os.environ.setdefault("MIXDEPTH_CACHE", str(tmp_path_factory.mktemp("cache")))
+
+
+@pytest.fixture
+def cli(tmp_path):
+    """Run ``python -m <module> args...`` from a foreign directory; returns CompletedProcess."""
+    import subprocess
+
+    def run(module: str, *args: str, timeout: float = 600):
+        return subprocess.run(
+            [sys.executable, "-m", module, *args], cwd=tmp_path, capture_output=True, text=True,
+            timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+
+    return run

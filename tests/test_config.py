@@ -1,0 +1,57 @@
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from mixdepth.config import ConfigError, Shape, load_config, model_config
+from mixdepth.flops import steps_for_budget, tokens_for_budget
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def test_default_preset_is_typed_and_frozen():
+    lab = load_config(CONF, "isoflop")
+    assert lab.sweep.archs == ["dense"] and len(lab.sweep.budgets) >= 3 and len(lab.sweep.ladder) >= 5
+    assert isinstance(lab.sweep.ladder[0], Shape) and isinstance(lab.train.lr, float)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        lab.train.lr = 1.0
+
+
+def test_overrides_apply_to_sections_and_model_families():
+    lab = load_config(CONF, "isoflop", ["train.lr=1e-3", "sweep.budgets=[2e11,4e11]", "model.qk_norm=true",
+                                        "data.seq_len=64"])
+    assert lab.train.lr == 1e-3 and lab.sweep.budgets == [2e11, 4e11]
+    m = model_config(lab, "dense", Shape(64, 2, 4, 2), CONF)
+    assert m.qk_norm and m.seq_len == 64 and m.n_kv_heads == 2 and m.vocab_size == 256
+
+
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("train.lrr=1", "train.lrr"),
+        ("sweep.foo=1", "sweep.foo"),
+        ("model.capacity=0.5", "model.capacity"),
+        ("train.lr=fast", "train.lr"),
+        ("train.batch_size=1.5", "train.batch_size"),
+        ("sweep.budgets=[0]", "sweep.budgets"),
+        ("sweep.budgets=[-1e12]", "sweep.budgets"),
+        ("sweep.archs=[nope]", "nope"),
+        ("model.norm=side", "model.norm"),
+        ("model.seq_len=64", "data.seq_len"),
+        ("novalue", "key=value"),
+    ],
+)
+def test_bad_overrides_name_the_key_in_one_line(override, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(CONF, "isoflop", [override])
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_unknown_preset():
+    with pytest.raises(ConfigError, match="unknown preset"):
+        load_config(CONF, "nope")
+
+
+def test_budget_arithmetic_uses_three_times_forward():
+    assert tokens_for_budget(1e6, 3e12) == pytest.approx(1e6)
+    assert steps_for_budget(1e6, 3e12, 1000) == 1000

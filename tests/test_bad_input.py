@@ -1,0 +1,108 @@
+"""Bad input: one clear line on stderr, a non-zero exit, and an existing results.db left byte-for-byte unchanged."""
+
+import hashlib
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mixdepth import results
+
+SMALL = ["data.max_bytes=200000", "data.val_tokens=2048", "data.seq_len=32"]
+
+
+@pytest.fixture
+def db(tmp_path):
+    """A store holding one finished run."""
+    path = tmp_path / "results.db"
+    con = results.connect(path)
+    results.add_run(con, {"run_id": "r1", "arch": "dense", "budget": 1e12, "val_loss": 2.5, "status": "ok"}, [])
+    con.close()
+    return path
+
+
+def digest(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def assert_clean_failure(r, needle: str, code: int | None = None):
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and (code is None or r.returncode == code), (r.returncode, r.stderr)
+    assert len(lines) == 1, r.stderr
+    assert needle in lines[0] and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize(
+    "override,needle,code",
+    [
+        ("sweep.nosuchkey=1", "sweep.nosuchkey", 2),
+        ("train.lr=abc", "train.lr", 2),
+        ("sweep.budgets=[0]", "positive", 2),
+        ("sweep.budgets=[-3e12]", "positive", 2),
+        ("sweep.budgets=[1e6]", "below the smallest", 2),
+        ("data.corpus=/no/such/corpus.txt", "/no/such/corpus.txt", 1),
+    ],
+)
+def test_bad_config_leaves_db_unchanged(cli, db, override, needle, code):
+    before = digest(db)
+    r = cli("sweeps", "isoflop", "--db", str(db), override, *SMALL)
+    assert_clean_failure(r, needle, code)
+    assert digest(db) == before
+
+
+def test_empty_corpus(cli, db, tmp_path):
+    (tmp_path / "empty").mkdir()
+    before = digest(db)
+    r = cli("sweeps", "isoflop", "--db", str(db), f"data.corpus={tmp_path / 'empty'}", *SMALL)
+    assert_clean_failure(r, "empty", 1)
+    assert digest(db) == before
+
+
+def test_unwritable_db_path(cli, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    r = cli("sweeps", "isoflop", "--db", str(blocker / "results.db"), *SMALL)
+    assert_clean_failure(r, "cannot create database", 1)
+    assert blocker.read_text() == "not a folder"
+
+
+def test_corrupt_db(cli, tmp_path):
+    bad = tmp_path / "results.db"
+    bad.write_bytes(b"this is not a duckdb file" * 200)
+    before = digest(bad)
+    r = cli("sweeps", "isoflop", "--db", str(bad), *SMALL)
+    assert_clean_failure(r, "not a valid DuckDB file", 1)
+    assert digest(bad) == before
+
+
+def test_db_held_by_another_process(cli, db):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"import duckdb,time; c=duckdb.connect({str(db)!r}); print('held', flush=True); "
+                               "time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        time.sleep(0.2)
+        before = digest(db)
+        r = cli("sweeps", "isoflop", "--db", str(db), *SMALL)
+        assert_clean_failure(r, "in use by another process", 1)
+        assert digest(db) == before
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_bad_sql(cli, db):
+    before = digest(db)
+    r = cli("analysis", "query", "--db", str(db), "SELEC * FROM runs")
+    assert_clean_failure(r, "error")
+    assert digest(db) == before
+
+
+def test_unknown_preset_and_unknown_command(cli):
+    r = cli("sweeps", "isoflop", "--preset", "nope")
+    assert_clean_failure(r, "unknown preset", 2)
+    r = cli("sweeps", "nonsense")
+    assert r.returncode == 2 and "invalid choice" in r.stderr

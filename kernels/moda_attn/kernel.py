@@ -460,6 +460,7 @@ _GPU_CONFIGS = {
     128: Config(fwd=(128, 64, 8, 3), dkdv=(64, 128, 8, 2), dq=(128, 64, 8, 2)),
 }
 _override: Config | None = None
+LAST_COMPILED: dict[str, object] = {}  # kernel name -> last launched CompiledKernel (n_regs, n_spills)
 
 
 def set_config(cfg: Config | None) -> None:
@@ -520,7 +521,7 @@ def moda_fwd(q, k, v, kd, vd, scale: float, cfg: Config):
         od = _empty((B, Hq, T, D), torch.float32, dev)
         lsed = _empty((B, Hq, T), torch.float32, dev)
         BT, M, N = _depth_tile(G, S, cfg.depth_m)
-        _depth_fwd[(triton.cdiv(T, BT), B * Hk)](
+        LAST_COMPILED["_depth_fwd"] = _depth_fwd[(triton.cdiv(T, BT), B * Hk)](
             q,
             kd,
             vd,
@@ -544,7 +545,7 @@ def moda_fwd(q, k, v, kd, vd, scale: float, cfg: Config):
     else:
         od, lsed = o, lse  # unused placeholders
     BM, BN, w, st = cfg.fwd
-    _seq_fwd[(triton.cdiv(T, BM), B * Hq)](
+    LAST_COMPILED["_seq_fwd"] = _seq_fwd[(triton.cdiv(T, BM), B * Hq)](
         q,
         k,
         v,
@@ -588,7 +589,7 @@ def moda_bwd(do, q, k, v, kd, vd, o, lse, scale: float, cfg: Config):
     else:
         dkd = dvd = None
     BT, M, N = _depth_tile(G, S, cfg.depth_m)
-    _depth_bwd[(triton.cdiv(T, BT), B * Hk)](
+    LAST_COMPILED["_depth_bwd"] = _depth_bwd[(triton.cdiv(T, BT), B * Hk)](
         q,
         o,
         do,
@@ -620,7 +621,7 @@ def moda_bwd(do, q, k, v, kd, vd, o, lse, scale: float, cfg: Config):
     dk = _empty(k.shape, k.dtype, dev)
     dv = _empty(v.shape, v.dtype, dev)
     BM1, BN1, w1, st1 = cfg.dkdv
-    _seq_bwd_dkdv[(triton.cdiv(T, BN1), B * Hk)](
+    LAST_COMPILED["_seq_bwd_dkdv"] = _seq_bwd_dkdv[(triton.cdiv(T, BN1), B * Hk)](
         q,
         k,
         v,
@@ -648,7 +649,7 @@ def moda_bwd(do, q, k, v, kd, vd, o, lse, scale: float, cfg: Config):
     else:
         dq = _empty(q.shape, q.dtype, dev)
         BM2, BN2, w2, st2 = cfg.dq
-        _seq_bwd_dq[(triton.cdiv(T, BM2), B * Hq)](
+        LAST_COMPILED["_seq_bwd_dq"] = _seq_bwd_dq[(triton.cdiv(T, BM2), B * Hq)](
             q,
             k,
             v,

@@ -144,10 +144,10 @@ def _validate(lab: LabConfig, conf_dir: Path) -> None:
 
 def vocab_size(data: DataConfig) -> int:
     """The model vocabulary implied by the data config (known before the corpus is read)."""
-    if data.tokenizer == "bpe":
-        return data.bpe_vocab_size
     if data.corpus.endswith(".bin"):
         return data.bin_vocab_size
+    if data.tokenizer == "bpe":
+        return data.bpe_vocab_size
     return 256
 
 

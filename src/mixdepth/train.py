@@ -115,14 +115,30 @@ def _quiet() -> None:
         warnings.filterwarnings("ignore", message=f".*{msg}.*")
 
 
+def resolve_device(t: TrainConfig) -> tuple[str, str]:
+    """(accelerator, precision) with ``auto`` resolved: bf16-mixed on a GPU, fp32 on the CPU."""
+    accelerator = t.accelerator if t.accelerator != "auto" else ("gpu" if torch.cuda.is_available() else "cpu")
+    precision = t.precision if t.precision != "auto" else ("bf16-mixed" if accelerator == "gpu" else "32-true")
+    return accelerator, precision
+
+
+def make_trainer(t: TrainConfig, steps: int, accelerator: str, precision: str, callbacks: list) -> L.Trainer:
+    """The Trainer every run uses (benchmarks time this same object)."""
+    return L.Trainer(
+        accelerator=accelerator, devices=1, precision=precision, max_steps=steps,
+        gradient_clip_val=t.grad_clip or None, logger=False, enable_checkpointing=False,
+        enable_model_summary=False, enable_progress_bar=t.progress, num_sanity_val_steps=0,
+        limit_val_batches=0, callbacks=callbacks, log_every_n_steps=t.log_every, use_distributed_sampler=False,
+    )
+
+
 def fit(run: RunConfig, cache_dir: Path | None = None) -> RunResult:
     """Train ``run.model`` for ``run.steps`` steps and evaluate on the fixed held-out set."""
     _quiet()
     t = run.train
     if t.threads > 0:
         torch.set_num_threads(t.threads)
-    accelerator = t.accelerator if t.accelerator != "auto" else ("gpu" if torch.cuda.is_available() else "cpu")
-    precision = t.precision if t.precision != "auto" else ("bf16-mixed" if accelerator == "gpu" else "32-true")
+    accelerator, precision = resolve_device(t)
     L.seed_everything(t.seed, verbose=False)
 
     dm = LMDataModule(run.data, batch_size=t.batch_size, seed=t.seed, cache_dir=cache_dir)
@@ -136,12 +152,7 @@ def fit(run: RunConfig, cache_dir: Path | None = None) -> RunResult:
     lit = LitLM(model, t, run.steps, flops_per_batch=3 * fpt * tokens_per_batch)
     peak = peak_flops(t, accelerator, precision)
     monitor = PeakThroughputMonitor(peak, window_size=max(2, min(100, run.steps // 2)))
-    trainer = L.Trainer(
-        accelerator=accelerator, devices=1, precision=precision, max_steps=run.steps,
-        gradient_clip_val=t.grad_clip or None, logger=False, enable_checkpointing=False,
-        enable_model_summary=False, enable_progress_bar=t.progress, num_sanity_val_steps=0,
-        limit_val_batches=0, callbacks=[monitor], log_every_n_steps=t.log_every,
-    )
+    trainer = make_trainer(t, run.steps, accelerator, precision, [monitor])
     start = time.perf_counter()
     trainer.fit(lit, train_dataloaders=dm.train_dataloader())
     wall = time.perf_counter() - start

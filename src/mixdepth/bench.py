@@ -1,0 +1,120 @@
+"""Training-loop benchmarks (scripts, not tests): ``python -m mixdepth.bench loop|mfu``.
+
+loop: the Lightning path every run takes (train.make_trainer + LitLM) against a plain PyTorch loop with the
+      same model, data, optimizer, schedule and clipping, alternated in one process; prints the ratio.
+mfu:  tokens/s and MFU of a GPT-2-small-shaped dense model through train.fit (bf16, torch.compile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mixdepth.config import TrainConfig
+from mixdepth.data import DataConfig, LMDataModule
+from mixdepth.lit import LitLM
+from mixdepth.models.dense import DenseConfig, DenseLM
+from mixdepth.train import RunConfig, _quiet, fit, make_trainer, resolve_device
+
+
+def _setup(model_cfg: DenseConfig, data: DataConfig, train: TrainConfig, steps: int):
+    torch.manual_seed(train.seed)
+    dm = LMDataModule(data, batch_size=train.batch_size, seed=train.seed)
+    dm.setup("fit")
+    model = DenseLM(model_cfg)
+    lit = LitLM(model, train, steps, flops_per_batch=3 * model_cfg.flops_per_token() * train.batch_size * data.seq_len)
+    return dm, lit
+
+
+def time_lightning(model_cfg, data, train, steps) -> float:
+    dm, lit = _setup(model_cfg, data, train, steps)
+    accelerator, precision = resolve_device(train)
+    trainer = make_trainer(train, steps, accelerator, precision, [])
+    start = time.perf_counter()
+    trainer.fit(lit, train_dataloaders=dm.train_dataloader())
+    return time.perf_counter() - start
+
+
+def time_plain(model_cfg, data, train, steps) -> float:
+    dm, lit = _setup(model_cfg, data, train, steps)
+    opts = lit.configure_optimizers()
+    opt, sched = opts["optimizer"], opts["lr_scheduler"]["scheduler"]
+    model = lit.model.train()
+    start = time.perf_counter()
+    for step, (x, y) in enumerate(dm.train_dataloader()):
+        if step == steps:
+            break
+        loss = model.loss(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if (step + 1) % train.log_every == 0:
+            loss.item()  # the adapter reads the loss at the same cadence
+    return time.perf_counter() - start
+
+
+def bench_loop(args) -> None:
+    _quiet()
+    model_cfg = DenseConfig(d_model=args.d_model, n_layers=args.n_layers, n_heads=4, n_kv_heads=4, seq_len=128)
+    data = DataConfig(seq_len=128, max_bytes=1_000_000, val_tokens=8192)
+    train = TrainConfig(batch_size=16, progress=False)
+    plain, light = [], []
+    for _ in range(args.repeats):
+        plain.append(time_plain(model_cfg, data, train, args.steps))
+        light.append(time_lightning(model_cfg, data, train, args.steps))
+    p, lt = statistics.median(plain), statistics.median(light)
+    print(f"model d_model={args.d_model} layers={args.n_layers} batch=16x128, {args.steps} steps, "
+          f"{args.repeats} alternating repeats, torch threads={torch.get_num_threads()}")
+    print(f"plain PyTorch loop: {p:.2f}s median ({', '.join(f'{v:.2f}' for v in plain)})")
+    print(f"Lightning (fit path): {lt:.2f}s median ({', '.join(f'{v:.2f}' for v in light)})")
+    print(f"ratio Lightning / plain = {lt / p:.3f}")
+
+
+def bench_mfu(args) -> None:
+    vocab = 50304
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "tokens.bin"
+        rng = np.random.default_rng(0)
+        rng.integers(0, vocab, size=64_000_000, dtype=np.uint16).tofile(path)  # synthetic: speed only
+        data = DataConfig(corpus=str(path), bin_vocab_size=vocab, seq_len=1024, val_tokens=1024 * 64)
+        model = DenseConfig(d_model=768, n_layers=12, n_heads=12, n_kv_heads=12, seq_len=1024, vocab_size=vocab,
+                            tie_embeddings=True)
+        train = TrainConfig(batch_size=args.batch_size, compile=not args.no_compile, progress=False,
+                            log_every=50, lr=6e-4)
+        res = fit(RunConfig(model, data, replace(train), args.steps))
+    n = model.n_params()
+    print(f"dense d768 L12 H12 T1024 vocab {vocab} tied: params {n['total']:,} (non-embedding {n['nonembed']:,}),"
+          f" forward FLOPs/token {model.flops_per_token():.4g}")
+    print(f"device {res.device}, precision {res.precision}, batch {args.batch_size}x1024, steps {args.steps},"
+          f" compile {not args.no_compile}")
+    print(f"tokens/s {res.tokens_per_s:,.0f}  MFU {res.mfu:.1%} of peak {res.peak_flops:.4g} FLOP/s"
+          f" (window of the last {min(100, args.steps // 2)} steps)")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m mixdepth.bench")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    lp = sub.add_parser("loop", help="Lightning vs plain PyTorch loop, CPU")
+    lp.add_argument("--steps", type=int, default=150)
+    lp.add_argument("--repeats", type=int, default=3)
+    lp.add_argument("--d-model", type=int, default=128)
+    lp.add_argument("--n-layers", type=int, default=4)
+    mp = sub.add_parser("mfu", help="GPT-2-small-shaped dense model: tokens/s and MFU (GPU)")
+    mp.add_argument("--steps", type=int, default=300)
+    mp.add_argument("--batch-size", type=int, default=32)
+    mp.add_argument("--no-compile", action="store_true")
+    args = p.parse_args()
+    {"loop": bench_loop, "mfu": bench_mfu}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -455,8 +455,8 @@ class Config:
 
 _CPU_CONFIG = Config(fwd=(16, 16, 1, 1), dkdv=(16, 16, 1, 1), dq=(16, 16, 1, 1), depth_m=16, depth_warps=1)
 _GPU_CONFIGS = {
-    # head dim -> tuned on an H200 (BENCHMARKS.md, "MoDA attention")
-    64: Config(),
+    # head dim -> tiles picked on an H200 with kernels/moda_attn/tune.py (BENCHMARKS.md, "MoDA attention")
+    64: Config(fwd=(128, 64, 8, 3), dkdv=(64, 64, 4, 3), dq=(64, 64, 4, 3)),
     128: Config(fwd=(128, 64, 8, 3), dkdv=(64, 128, 8, 2), dq=(128, 64, 8, 2)),
 }
 _override: Config | None = None

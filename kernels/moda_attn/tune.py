@@ -34,7 +34,16 @@ def main(argv=None):
     ap.add_argument("--D", type=int, default=64)
     ap.add_argument("--S", type=int, default=64)
     ap.add_argument("--quick", action="store_true", help="first two candidates of each list only")
+    ap.add_argument("--fwd", nargs="*", default=None, help="candidates as BM,BN,warps,stages")
+    ap.add_argument("--dkdv", nargs="*", default=None, help="candidates as BM,BN,warps,stages")
+    ap.add_argument("--dq", nargs="*", default=None, help="candidates as BM,BN,warps,stages")
+    ap.add_argument("--no-extras", action="store_true", help="skip the atomic-dq and depth-tile variants")
     a = ap.parse_args(argv)
+
+    def parse(xs, default):
+        return default if xs is None else [tuple(int(v) for v in x.split(",")) for x in xs]
+
+    fwd_c, dkdv_c, dq_c = parse(a.fwd, FWD), parse(a.dkdv, DKDV), parse(a.dq, DQ)
     T, Hq, Hk, D, S = a.T, a.Hq, a.Hk, a.D, a.S
     dev, dt = "cuda", torch.bfloat16
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -82,7 +91,7 @@ def main(argv=None):
 
     cut = 2 if a.quick else None
     res = {}
-    for c in FWD[:cut]:
+    for c in fwd_c[:cut]:
         try:
             cfg = replace(base, fwd=c)
             t = fwd_time(cfg)
@@ -90,7 +99,7 @@ def main(argv=None):
             print(f"fwd  {c}: {t:.3f} ms  {regs('_seq_fwd')}", flush=True)
         except Exception as e:  # noqa: BLE001
             print(f"fwd  {c}: FAILED {type(e).__name__}: {str(e)[:100]}", flush=True)
-    for c in DKDV[:cut]:
+    for c in dkdv_c[:cut]:
         try:
             cfg = replace(base, dkdv=c)
             t = bwd_time(cfg)
@@ -98,7 +107,7 @@ def main(argv=None):
             print(f"bwd dkdv {c}: {t:.3f} ms  {regs('_seq_bwd_dkdv')}", flush=True)
         except Exception as e:  # noqa: BLE001
             print(f"bwd dkdv {c}: FAILED {type(e).__name__}: {str(e)[:100]}", flush=True)
-    for c in DQ[:cut]:
+    for c in dq_c[:cut]:
         try:
             cfg = replace(base, dq=c)
             t = bwd_time(cfg)
@@ -106,14 +115,14 @@ def main(argv=None):
             print(f"bwd dq {c}: {t:.3f} ms  {regs('_seq_bwd_dq')}", flush=True)
         except Exception as e:  # noqa: BLE001
             print(f"bwd dq {c}: FAILED {type(e).__name__}: {str(e)[:100]}", flush=True)
-    for c in DKDV[:2]:
+    for c in [] if a.no_extras else DKDV[:2]:
         try:
             cfg = replace(base, dkdv=c, dq_atomic=True)
             t = bwd_time(cfg)
             print(f"bwd atomic-dq dkdv {c}: {t:.3f} ms  {regs('_seq_bwd_dkdv')}", flush=True)
         except Exception as e:  # noqa: BLE001
             print(f"bwd atomic {c}: FAILED {type(e).__name__}: {str(e)[:100]}", flush=True)
-    for m, w in ((16, 4), (32, 4), (64, 4)):
+    for m, w in () if a.no_extras else ((16, 4), (32, 4), (64, 4)):
         try:
             cfg = replace(base, depth_m=m, depth_warps=w)
             tf, tb = fwd_time(cfg), bwd_time(cfg)

@@ -59,7 +59,7 @@ def check(got, ref, tol_rel=1e-5, tol_abs=1e-4):
         assert mx <= tol_abs * max(1.0, ref_max) and (rel <= tol_rel or ref_max < 1e-4), (name, rel, mx)
 
 
-# (B, Hk, G, T, S, D): covers T in {1, 7, 33, 70}, S in {0, 1, 3}, G in {1, 2, 3, 6}, D in {16, 32, 64}
+# (B, Hk, G, T, S, D): covers T in {1, 7, 33, 70}, S in {0, 1, 3}, G in {1, 2, 3, 6}, D in {16, 32, 64, 128}
 CASES = [
     (1, 1, 1, 1, 0, 16),
     (1, 1, 2, 1, 3, 32),
@@ -72,6 +72,7 @@ CASES = [
     (1, 1, 2, 70, 0, 32),
     (2, 1, 3, 70, 1, 16),
     (1, 1, 6, 9, 2, 16),
+    (1, 1, 2, 7, 1, 128),
 ]
 
 
@@ -87,9 +88,7 @@ def test_block_shapes_and_atomic_dq():
     try:
         K.set_config(K.Config(fwd=(32, 16, 1, 1), dkdv=(16, 32, 1, 1), dq=(32, 16, 1, 1), depth_warps=1))
         check(*run_both(inputs))
-        K.set_config(
-            K.Config(fwd=(16, 16, 1, 1), dkdv=(16, 32, 1, 1), depth_m=32, depth_warps=1, dq_atomic=True)
-        )
+        K.set_config(K.Config(fwd=(16, 16, 1, 1), dkdv=(16, 32, 1, 1), depth_m=32, depth_warps=1, dq_atomic=True))
         check(*run_both(inputs))
     finally:
         K.set_config(None)
@@ -129,6 +128,7 @@ def test_none_depth_is_plain_causal():
 
 
 def test_fp16_interpreter_or_gpu():
+    # (bf16 is checked on the GPU by kernels.bench: the Triton 3.9 interpreter's bf16 tl.dot is wrong)
     inputs = make(1, 2, 2, 33, 3, 32, dtype=torch.float16, seed=8)
     got, ref = run_both(inputs)
     for name, a, b in zip(NAMES, got, ref, strict=True):

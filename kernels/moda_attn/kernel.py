@@ -24,6 +24,10 @@ backward
        after it; dk/dv of the group accumulate in registers (no atomics). Optionally (``dq_atomic``) also
        adds dS K into an fp32 dq accumulator with atomics, replacing step 3.
     3. ``_seq_bwd_dq``: per (query block, query head), loops over causal key blocks; adds the depth dq.
+
+Pointer arithmetic only (no ``tl.make_block_ptr``, removed in Triton 3.9); runs on Triton 3.6 (GPU) and
+under the 3.9 CPU interpreter (fp32/fp16; that interpreter's bf16 ``tl.dot`` is wrong, so bf16 is checked
+on the GPU by ``python -m kernels.bench moda_attn``).
 """
 
 from __future__ import annotations
@@ -457,7 +461,7 @@ _CPU_CONFIG = Config(fwd=(16, 16, 1, 1), dkdv=(16, 16, 1, 1), dq=(16, 16, 1, 1),
 _GPU_CONFIGS = {
     # head dim -> tiles picked on an H200 with kernels/moda_attn/tune.py (BENCHMARKS.md, "MoDA attention")
     64: Config(fwd=(128, 64, 8, 3), dkdv=(64, 64, 4, 3), dq=(64, 64, 4, 3)),
-    128: Config(fwd=(128, 64, 8, 3), dkdv=(64, 128, 8, 2), dq=(128, 64, 8, 2)),
+    128: Config(fwd=(128, 64, 8, 3), dkdv=(32, 64, 4, 3), dq=(64, 32, 4, 3)),
 }
 _override: Config | None = None
 LAST_COMPILED: dict[str, object] = {}  # kernel name -> last launched CompiledKernel (n_regs, n_spills)

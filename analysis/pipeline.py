@@ -1,0 +1,216 @@
+"""Store → fits → ``fits`` rows → figures → report: what ``python -m analysis fit|plot|report`` and the sweep
+runner call.
+
+Series: every arch is fitted on ``val_loss``; a routed arch whose runs also carry ``val_loss_causal`` gets a
+second series named ``<arch>:causal`` fitted on that loss (its ``fits`` rows use that name as ``arch``).
+N is the view's ``n`` (non-embedding parameters), D its ``d`` (tokens trained), C the sweep's ``budget``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pandas as pd
+
+from analysis.errors import AnalysisError
+from analysis.isoflop import fit_isoflop
+from analysis.parametric import fit_parametric
+from analysis.records import IsoflopFit, ParametricFit, plain
+from analysis.store import fit_rows, load_points, open_db, resolve_sweep, sweep_summary
+from mixdepth.results import add_fits
+
+MIN_PARAMETRIC_POINTS = 6
+
+
+@dataclass(frozen=True)
+class ArchFits:
+    """Both approaches for one series (an arch, or ``<arch>:causal``).
+
+    Attributes:
+        arch: series name, written as ``arch`` in the ``fits`` table.
+        loss_col: the store column fitted.
+        n_points: usable points.
+        isoflop: Approach 2, or None when no budget had 3 points.
+        parametric: Approach 3, or None with too few points.
+        notes: one line per thing skipped and why.
+    """
+
+    arch: str
+    loss_col: str
+    n_points: int
+    isoflop: IsoflopFit | None
+    parametric: ParametricFit | None
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: plain(getattr(self, k)) for k in self.__dataclass_fields__}
+
+
+@dataclass(frozen=True)
+class SweepFits:
+    """Every series of one sweep."""
+
+    sweep_id: str | None
+    archs: tuple[ArchFits, ...]
+
+    def get(self, arch: str) -> ArchFits | None:
+        return next((a for a in self.archs if a.arch == arch), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"sweep_id": self.sweep_id, "archs": [a.to_dict() for a in self.archs]}
+
+
+def series_points(points: pd.DataFrame, *, causal: bool = True) -> pd.DataFrame:
+    """Long frame of fit series: the rows of ``points`` with ``arch`` set to the series name and ``loss``.
+
+    Args:
+        points: ``isoflop_points`` rows.
+        causal: add ``<arch>:causal`` series from ``val_loss_causal`` where present.
+    """
+    parts = [points.assign(loss=points["val_loss"])]
+    if causal and "val_loss_causal" in points:
+        c = points[points["val_loss_causal"].notna()]
+        if not c.empty:
+            parts.append(c.assign(arch=c["arch"] + ":causal", loss=c["val_loss_causal"]))
+    return pd.concat(parts, ignore_index=True)
+
+
+def _fit_series(arch: str, pts: pd.DataFrame, loss_col: str, n_boot: int, parametric_boot: int, seed: int) -> ArchFits:
+    notes: list[str] = []
+    usable = pts.dropna(subset=["n", "d", "budget", "loss"])
+    usable = usable[(usable["n"] > 0) & (usable["d"] > 0) & (usable["loss"] > 0)]
+    if len(usable) < len(pts):
+        notes.append(f"{len(pts) - len(usable)} runs without N, D or loss left out")
+    n, d, c, loss = (usable[k].to_numpy(float) for k in ("n", "d", "budget", "loss"))
+    iso = par = None
+    try:
+        iso = fit_isoflop(n, c, loss, d, n_boot=n_boot, seed=seed)
+        notes.extend(iso.skipped)
+    except AnalysisError as e:
+        notes.append(f"isoFLOP fit skipped: {e}")
+    if len(usable) < MIN_PARAMETRIC_POINTS:
+        notes.append(f"parametric fit skipped: {len(usable)} points, need {MIN_PARAMETRIC_POINTS}")
+    else:
+        try:
+            par = fit_parametric(n, d, loss, n_boot=parametric_boot, seed=seed)
+        except AnalysisError as e:
+            notes.append(f"parametric fit skipped: {e}")
+    return ArchFits(arch, loss_col, len(usable), iso, par, tuple(notes))
+
+
+def fit_points(
+    points: pd.DataFrame,
+    sweep_id: str | None = None,
+    *,
+    n_boot: int = 200,
+    parametric_boot: int = 100,
+    seed: int = 0,
+    causal: bool = True,
+) -> SweepFits:
+    """Fit Approaches 2 and 3 for every series of a sweep's points.
+
+    Args:
+        points: ``isoflop_points`` rows of one sweep.
+        sweep_id: recorded on the result.
+        n_boot: bootstrap resamples for the isoFLOP power laws.
+        parametric_boot: bootstrap resamples for the parametric fit (each resample is two L-BFGS-B refits).
+        seed: bootstrap seed.
+        causal: also fit ``<arch>:causal`` series.
+    """
+    long = series_points(points, causal=causal)
+    out = []
+    for arch in sorted(long["arch"].unique()):
+        loss_col = "val_loss_causal" if arch.endswith(":causal") else "val_loss"
+        out.append(_fit_series(arch, long[long["arch"] == arch], loss_col, n_boot, parametric_boot, seed))
+    return SweepFits(sweep_id, tuple(out))
+
+
+def store_fits(con: duckdb.DuckDBPyConnection, fits: SweepFits) -> int:
+    """Write (replace) the sweep's rows in ``fits``; returns the number of rows written."""
+    rows = [r for a in fits.archs for r in fit_rows(fits.sweep_id, a.arch, a.isoflop, a.parametric)]
+    add_fits(con, rows)
+    return len(rows)
+
+
+def _figures(long: pd.DataFrame, fits: SweepFits, out: Path, notes: list[str]) -> dict[str, Path]:
+    from analysis import plots  # matplotlib only when figures are wanted
+
+    iso = {a.arch: a.isoflop for a in fits.archs}
+    paths = {
+        "isoflop_plot": plots.plot_isoflop(long, iso, out / "isoflop.png", loss_col="loss"),
+        "frontier_plot": plots.plot_frontier(iso, out / "frontier.png"),
+    }
+    if "dense" in set(long["arch"]) and long["arch"].nunique() > 1:
+        try:
+            paths["mod_plot"] = plots.plot_mod_normalized(long, out / "mod_normalized.png", loss_col="loss")
+        except AnalysisError as e:
+            notes.append(f"normalised plot skipped: {e}")
+    else:
+        notes.append("normalised plot skipped: needs dense runs and at least one other arch")
+    return paths
+
+
+def run_all(
+    db: str | os.PathLike | duckdb.DuckDBPyConnection,
+    sweep_id: str | None = None,
+    out_dir: str | os.PathLike = "analysis_out",
+    *,
+    n_boot: int = 200,
+    parametric_boot: int = 100,
+    seed: int = 0,
+    store: bool = True,
+    plots: bool = True,
+    report: bool = True,
+) -> dict[str, Path]:
+    """Fit a sweep, write its ``fits`` rows, figures, ``fits.json`` and ``report.md``.
+
+    Args:
+        db: store path (opened read-write when ``store``, else read-only) or an open connection
+            (use the runner's own connection: DuckDB allows one writer per file).
+        sweep_id: the sweep; None takes the sweep with the newest finished run.
+        out_dir: folder for the outputs (created).
+        n_boot: bootstrap resamples for the isoFLOP power laws.
+        parametric_boot: bootstrap resamples for the parametric fit (each resample is two L-BFGS-B refits).
+        seed: bootstrap seed.
+        store: write the ``fits`` rows.
+        plots: write the PNGs.
+        report: write ``report.md``.
+
+    Returns:
+        Paths written, keyed "fits_json", "isoflop_plot", "frontier_plot", "mod_plot" (when there are dense
+        runs and another arch) and "report".
+
+    Raises:
+        AnalysisError: the sweep is unknown or has no finished runs.
+        mixdepth.results.StoreError: the database cannot be opened.
+    """
+    own = not isinstance(db, duckdb.DuckDBPyConnection)
+    con = open_db(db, write=store) if own else db
+    try:
+        sid = resolve_sweep(con, sweep_id)
+        points = load_points(con, sid)
+        fits = fit_points(points, sid, n_boot=n_boot, parametric_boot=parametric_boot, seed=seed)
+        if store:
+            store_fits(con, fits)
+        summary = sweep_summary(con, sid)
+    finally:
+        if own:
+            con.close()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths: dict[str, Path] = {"fits_json": out / "fits.json"}
+    paths["fits_json"].write_text(json.dumps(fits.to_dict(), indent=2) + "\n")
+    notes: list[str] = []
+    long = series_points(points)
+    if plots:
+        paths.update(_figures(long, fits, out, notes))
+    if report:
+        from analysis.report import write_report
+
+        paths["report"] = write_report(out / "report.md", fits, long, summary, paths, notes)
+    return paths

@@ -1,0 +1,164 @@
+"""Markdown report of one sweep: summary, runs per budget, both approaches with CIs, figures, notes."""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+
+from analysis.records import PowerLaw
+
+if TYPE_CHECKING:
+    from analysis.pipeline import SweepFits
+
+
+def _g(v: float | None, digits: int = 4) -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "–"
+    return f"{v:.{digits}g}"
+
+
+def _ci(ci: tuple[float, float] | None, digits: int = 4) -> str:
+    return "–" if ci is None else f"[{_g(ci[0], digits)}, {_g(ci[1], digits)}]"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(str(v) for v in r) + " |" for r in rows]
+    return out + [""]
+
+
+def _runs_table(points: pd.DataFrame) -> list[str]:
+    rows = []
+    for (arch, budget), g in points.groupby(["arch", "budget"], sort=True):
+        best = g.loc[g["loss"].idxmin()]
+        rows.append([
+            arch, _g(budget, 3), len(g), f"{_g(g['n'].min(), 3)} – {_g(g['n'].max(), 3)}",
+            _g(best["loss"]), _g(best["n"], 3), _g(best["d"], 3),
+        ])  # fmt: skip
+    return _table(["series", "budget C (FLOPs)", "runs", "N range", "best loss (nats)", "N at best", "D at best"], rows)
+
+
+def _law_row(arch: str, name: str, law: PowerLaw | None, used: int, boot: str) -> list[str]:
+    if law is None:
+        return [arch, name, "–", "–", "–", "–", str(used), boot]
+    return [arch, name, _g(law.k), _g(law.exponent), _ci(law.ci_exponent), _ci(law.ci_k), str(used), boot]
+
+
+def build_report(
+    fits: SweepFits,
+    points: pd.DataFrame,
+    summary: Mapping[str, Any],
+    figures: Mapping[str, Path],
+    notes: Sequence[str] = (),
+    base: Path | None = None,
+) -> str:
+    """Markdown text of the report.
+
+    Args:
+        fits: the sweep's fits.
+        points: series points (``pipeline.series_points``: arch is the series, ``loss`` the fitted loss).
+        summary: ``store.sweep_summary`` output.
+        figures: name -> PNG path; keys ending in "_plot" are embedded.
+        notes: global notes (e.g. figures skipped).
+        base: folder the report is written to; figure links are relative to it.
+    """
+    lines = [f"# Scaling-law report: sweep {summary.get('sweep_id')}", ""]
+    status = ", ".join(f"{k}: {v}" for k, v in summary.get("runs_by_status", {}).items()) or "none"
+    lines += [
+        f"- name: {summary.get('name') or '–'}; preset: {summary.get('preset') or '–'};"
+        f" created: {summary.get('created_at') or '–'}",
+        f"- runs by status: {status}; devices: {', '.join(summary.get('devices') or []) or '–'}",
+        f"- fitted series: {', '.join(a.arch for a in fits.archs) or 'none'}"
+        " (N = non-embedding parameters, D = tokens trained, C = the sweep's budget, loss in nats)",
+        f"- generated: {dt.datetime.now(dt.UTC).strftime('%Y-%m-%d %H:%M UTC')}",
+        "",
+        "## Runs per budget",
+        "",
+    ]
+    lines += _runs_table(points) if not points.empty else ["No finished runs.", ""]
+
+    lines += ["## Approach 2: isoFLOP parabolas", ""]
+    lines += [
+        "Robust (soft-L1) parabola of loss against ln N per budget; ★ inside = the vertex is a minimum lying",
+        "within the sampled N range (only those budgets enter the power laws). D* is interpolated in",
+        "(ln N, ln D) between the budget's runs.",
+        "",
+    ]
+    rows = []
+    for a in fits.archs:
+        for p in a.isoflop.parabolas if a.isoflop else ():
+            rows.append([
+                a.arch, _g(p.budget, 3), p.n_points, _g(p.n_opt), _g(p.d_opt), _g(p.loss_opt),
+                _g(p.curvature, 3), "yes" if p.vertex_inside else "**no**",
+            ])  # fmt: skip
+    head = ["series", "budget C (FLOPs)", "points", "N*", "D*", "L* (nats)", "curvature", "vertex inside"]
+    lines += _table(head, rows) if rows else ["No budget had 3 runs.", ""]
+
+    lines += ["## Approach 2: power laws", ""]
+    rows = []
+    for a in fits.archs:
+        iso = a.isoflop
+        if iso is None:
+            continue
+        boot = f"{iso.n_boot_ok}/{iso.n_boot}"
+        used = len(iso.budgets_used)
+        rows.append(_law_row(a.arch, "N*(C)", iso.n_opt, used, boot))
+        rows.append(_law_row(a.arch, "D*(C)", iso.d_opt, used, boot))
+        rows.append(_law_row(a.arch, "L*(C)", iso.loss_opt, used, boot))
+    head = ["series", "law", "k", "exponent", "exponent 95% CI", "k 95% CI", "budgets", "bootstrap ok"]
+    lines += _table(head, rows) if rows else ["No power laws (fewer than 2 budgets with an inside vertex).", ""]
+
+    lines += ["## Approach 3: parametric fit L = E + A/N^α + B/D^β", ""]
+    lines += [
+        "Huber (δ = 1e-3) on log-loss residuals, summed over runs; L-BFGS-B from the best starts of a grid;",
+        "bootstrap 95% intervals in brackets. a = β/(α+β) is the implied exponent of N*(C).",
+        "",
+    ]
+    rows = []
+    for a in fits.archs:
+        p = a.parametric
+        if p is None:
+            continue
+        cell = {
+            k: f"{_g(getattr(p, k))} {_ci(p.ci.get(k), 3)}" if p.ci else _g(getattr(p, k))
+            for k in ("E", "A", "B", "alpha", "beta", "a")
+        }
+        rows.append([
+            a.arch, cell["E"], cell["A"], cell["B"], cell["alpha"], cell["beta"], cell["a"],
+            _g(p.objective), p.n_points, f"{p.n_boot_ok}/{p.n_boot}",
+        ])  # fmt: skip
+    head = ["series", "E", "A", "B", "α", "β", "a", "objective", "points", "bootstrap ok"]
+    lines += _table(head, rows) if rows else ["No parametric fit (too few runs).", ""]
+
+    figs = [(k, v) for k, v in figures.items() if k.endswith("_plot")]
+    if figs:
+        lines += ["## Figures", ""]
+        for name, path in figs:
+            rel = os.path.relpath(path, base) if base is not None else str(path)
+            lines += [f"![{name}]({rel})", ""]
+
+    all_notes = [f"{a.arch}: {n}" for a in fits.archs for n in a.notes] + list(notes)
+    if all_notes:
+        lines += ["## Notes", ""] + [f"- {n}" for n in all_notes] + [""]
+    return "\n".join(lines)
+
+
+def write_report(
+    out: str | os.PathLike,
+    fits: SweepFits,
+    points: pd.DataFrame,
+    summary: Mapping[str, Any],
+    figures: Mapping[str, Path],
+    notes: Sequence[str] = (),
+) -> Path:
+    """Write ``build_report`` to ``out`` (figure links relative to its folder) and return the path."""
+    p = Path(out)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(build_report(fits, points, summary, figures, notes, base=p.parent))
+    return p

@@ -98,7 +98,7 @@ def run_isoflop(lab: LabConfig, conf_dir: Path, db: Path, preset: str, dry_run: 
     from analysis.pipeline import run_all
 
     out_dir = db.parent / f"{db.stem}_report" / sid
-    paths = run_all(db, sid, out_dir, bootstrap=lab.sweep.bootstrap)
+    paths = run_all(db, sid, out_dir, n_boot=lab.sweep.bootstrap)
     print(f"results: {db}")
     for name, p in paths.items():
         print(f"{name}: {p}")

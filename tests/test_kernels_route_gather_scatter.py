@@ -194,8 +194,9 @@ def test_out_of_range_raises_gather(fn, bad):
 @pytest.mark.parametrize("fn", [route_scatter_add, route_scatter_add_naive])
 def test_out_of_range_raises_scatter(fn):
     x, f, w = _inputs((5, 4), (2,), torch.float32)
+    idx = torch.tensor([0, 5], device=DEVICE)
     with pytest.raises(ValueError, match="out of range"):
-        fn(x, torch.tensor([0, 5], device=DEVICE), f, w)
+        fn(x, idx, f, w) if fn is route_scatter_add_naive else fn(x, idx, f, w, check=True)
 
 
 def test_unchecked_bad_index_is_harmless():

@@ -6,7 +6,8 @@ import pytest
 TINY = [
     "sweep.name=tiny",
     "sweep.budgets=[1e9,3e9]",
-    "sweep.ladder=[{d_model:16,n_layers:1,n_heads:2},{d_model:24,n_layers:1,n_heads:2},{d_model:32,n_layers:2,n_heads:2}]",
+    "sweep.ladder=[{d_model: 16, n_layers: 1, n_heads: 2}, {d_model: 24, n_layers: 1, n_heads: 2},"
+    " {d_model: 32, n_layers: 2, n_heads: 2}]",
     "sweep.min_steps=4",
     "sweep.bootstrap=10",
     "data.seq_len=32",

@@ -43,9 +43,7 @@ def _flat(x: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
         _check_range(idx, x.shape[1])
         return x.reshape(-1, x.shape[-1]), flatten_index(idx, x.shape[1])
     if x.dim() != 2 or idx.dim() != 1:
-        raise ValueError(
-            f"expected x [B, T, D] + idx [B, K] or x [N, D] + idx [K], got {x.shape}, {idx.shape}"
-        )
+        raise ValueError(f"expected x [B, T, D] + idx [B, K] or x [N, D] + idx [K], got {x.shape}, {idx.shape}")
     _check_range(idx, x.shape[0])
     return x, idx.to(torch.int64)
 
@@ -66,9 +64,7 @@ def route_gather_naive(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return xs.reshape(*idx.shape, x.shape[-1])
 
 
-def route_scatter_add_naive(
-    x: torch.Tensor, idx: torch.Tensor, f: torch.Tensor, w: torch.Tensor
-) -> torch.Tensor:
+def route_scatter_add_naive(x: torch.Tensor, idx: torch.Tensor, f: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The routed residual update ``y = x``, then ``y[idx[j]] += w[j] * f[j]``.
 
     Args:

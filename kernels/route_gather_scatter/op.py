@@ -47,9 +47,7 @@ def _validate(x: torch.Tensor, idx: torch.Tensor, check: bool | None) -> None:
         if idx.dim() != 2 or idx.shape[0] != x.shape[0]:
             raise ValueError(f"batched x {tuple(x.shape)} needs idx [B, K], got {tuple(idx.shape)}")
     elif x.dim() != 2 or idx.dim() != 1:
-        raise ValueError(
-            f"expected x [B, T, D] + idx [B, K] or x [N, D] + idx [K], got {x.shape}, {idx.shape}"
-        )
+        raise ValueError(f"expected x [B, T, D] + idx [B, K] or x [N, D] + idx [K], got {x.shape}, {idx.shape}")
     if idx.device != x.device:
         raise ValueError(f"idx on {idx.device}, x on {x.device}")
     if check or (check is None and not idx.is_cuda):

@@ -84,19 +84,21 @@ def bench_mfu(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "tokens.bin"
         rng = np.random.default_rng(0)
-        rng.integers(0, vocab, size=64_000_000, dtype=np.uint16).tofile(path)  # synthetic: speed only
-        data = DataConfig(corpus=str(path), bin_vocab_size=vocab, seq_len=1024, val_tokens=1024 * 64)
-        model = DenseConfig(d_model=768, n_layers=12, n_heads=12, n_kv_heads=12, seq_len=1024, vocab_size=vocab,
+        rng.integers(0, vocab, size=args.tokens, dtype=np.uint16).tofile(path)  # synthetic: speed only
+        T, d, H = args.seq_len, args.d_model, args.d_model // 64
+        data = DataConfig(corpus=str(path), bin_vocab_size=vocab, seq_len=T, val_tokens=T * 64)
+        model = DenseConfig(d_model=d, n_layers=args.n_layers, n_heads=H, n_kv_heads=H, seq_len=T, vocab_size=vocab,
                             tie_embeddings=True)
         train = TrainConfig(batch_size=args.batch_size, compile=not args.no_compile, progress=False,
                             log_every=50, lr=6e-4)
         res = fit(RunConfig(model, data, replace(train), args.steps))
     n = model.n_params()
-    print(f"dense d768 L12 H12 T1024 vocab {vocab} tied: params {n['total']:,} (non-embedding {n['nonembed']:,}),"
+    print(f"dense d{d} L{args.n_layers} H{H} T{T} vocab {vocab} tied: params {n['total']:,} (non-embedding {n['nonembed']:,}),"
           f" forward FLOPs/token {model.flops_per_token():.4g}")
-    print(f"device {res.device}, precision {res.precision}, batch {args.batch_size}x1024, steps {args.steps},"
+    print(f"device {res.device}, precision {res.precision}, batch {args.batch_size}x{T}, steps {args.steps},"
           f" compile {not args.no_compile}")
-    print(f"tokens/s {res.tokens_per_s:,.0f}  MFU {res.mfu:.1%} of peak {res.peak_flops:.4g} FLOP/s"
+    mfu = f"MFU {res.mfu:.1%} of peak {res.peak_flops:.4g} FLOP/s" if res.mfu else "MFU n/a (no known peak)"
+    print(f"tokens/s {res.tokens_per_s:,.0f}  {mfu}"
           f" (window of the last {min(100, args.steps // 2)} steps)")
 
 
@@ -112,6 +114,10 @@ def main() -> None:
     mp.add_argument("--steps", type=int, default=300)
     mp.add_argument("--batch-size", type=int, default=32)
     mp.add_argument("--no-compile", action="store_true")
+    mp.add_argument("--d-model", type=int, default=768)
+    mp.add_argument("--n-layers", type=int, default=12)
+    mp.add_argument("--seq-len", type=int, default=1024)
+    mp.add_argument("--tokens", type=int, default=64_000_000, help="synthetic .bin corpus size")
     args = p.parse_args()
     {"loop": bench_loop, "mfu": bench_mfu}[args.cmd](args)
 

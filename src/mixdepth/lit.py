@@ -57,6 +57,12 @@ class LitLM(L.LightningModule):
         self.log_dict({"val_loss": loss, "val_ppl": loss.exp()}, prog_bar=True, logger=False)
         self.val_loss.reset()
 
+    def on_before_optimizer_step(self, optimizer) -> None:
+        # Clipping here rather than through Trainer(gradient_clip_val): Lightning refuses that with fused
+        # AdamW under mixed precision, although bf16 has no grad scaler (grads are already unscaled here).
+        if self.cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+
     def configure_optimizers(self):
         c = self.cfg
         decay = [p for n, p in self.model.named_parameters() if p.dim() >= 2 and "embed" not in n]

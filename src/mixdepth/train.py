@@ -111,7 +111,7 @@ def versions() -> dict[str, str]:
 def _quiet() -> None:
     for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    for msg in ("does not have many workers", "no `val_dataloader`", "LeafSpec", "sync_dist"):
+    for msg in ("does not have many workers", "no `val_dataloader`", "LeafSpec", "sync_dist", "FLOPs not found"):
         warnings.filterwarnings("ignore", message=f".*{msg}.*")
 
 
@@ -126,7 +126,7 @@ def make_trainer(t: TrainConfig, steps: int, accelerator: str, precision: str, c
     """The Trainer every run uses (benchmarks time this same object)."""
     return L.Trainer(
         accelerator=accelerator, devices=1, precision=precision, max_steps=steps,
-        gradient_clip_val=t.grad_clip or None, logger=False, enable_checkpointing=False,
+        logger=False, enable_checkpointing=False,
         enable_model_summary=False, enable_progress_bar=t.progress, num_sanity_val_steps=0,
         limit_val_batches=0, callbacks=callbacks, log_every_n_steps=t.log_every, use_distributed_sampler=False,
     )

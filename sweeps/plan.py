@@ -58,9 +58,7 @@ def plan(lab: LabConfig, conf_dir: Path, sid: str) -> tuple[list[Trial], list[st
                     continue
                 kept += 1
                 rid = digest([sid, arch, budget, asdict(m), asdict(lab.data), asdict(t), steps])
-                trials.append(
-                    Trial(rid, arch, budget, shape, m, m.n_params(), fpt, steps * tokens_per_step, steps)
-                )
+                trials.append(Trial(rid, arch, budget, shape, m, m.n_params(), fpt, steps * tokens_per_step, steps))
             if not kept:
                 need = min(3 * m.flops_per_token() for _, m in models) * s.min_steps * tokens_per_step
                 raise ConfigError(
@@ -75,9 +73,16 @@ def table(trials: list[Trial]) -> str:
     head = ("arch", "budget", "d_model", "layers", "heads", "params", "nonembed", "FLOPs/token", "tokens", "steps")
     rows = [
         (
-            t.arch, f"{t.budget:.2e}", str(t.shape.d_model), str(t.shape.n_layers), str(t.shape.n_heads),
-            f"{t.params['total']:,}", f"{t.params['nonembed']:,}", f"{t.flops_per_token:.4g}",
-            f"{t.tokens:,}", str(t.steps),
+            t.arch,
+            f"{t.budget:.2e}",
+            str(t.shape.d_model),
+            str(t.shape.n_layers),
+            str(t.shape.n_heads),
+            f"{t.params['total']:,}",
+            f"{t.params['nonembed']:,}",
+            f"{t.flops_per_token:.4g}",
+            f"{t.tokens:,}",
+            str(t.steps),
         )
         for t in trials
     ]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import optuna
@@ -18,16 +18,41 @@ from sweeps.plan import Trial, plan, sweep_id, table
 def run_row(sid: str, trial: Trial, lab: LabConfig, res: RunResult) -> dict:
     m = trial.model
     return {
-        "run_id": trial.run_id, "sweep_id": sid, "arch": trial.arch, "budget": trial.budget,
-        "d_model": m.d_model, "n_layers": m.n_layers, "n_heads": m.n_heads, "n_kv_heads": m.n_kv_heads,
-        "d_ff": m.d_ff, "seq_len": m.seq_len, "vocab_size": m.vocab_size,
-        "params_total": trial.params["total"], "params_nonembed": trial.params["nonembed"],
-        "params_active": trial.params["active"], "flops_per_token": trial.flops_per_token,
-        "flops_6nd": 6 * trial.params["nonembed"] * res.tokens, "train_flops": res.train_flops,
-        "tokens": res.tokens, "steps": res.steps, "batch_size": lab.train.batch_size, "lr": lab.train.lr,
-        "seed": lab.train.seed, "status": res.status, "val_loss": res.val_loss, "train_loss": res.train_loss,
-        "wall_s": res.wall_s, "tokens_per_s": res.tokens_per_s, "mfu": res.mfu, "peak_flops": res.peak_flops,
-        "device": res.device, "precision": res.precision, "versions": res.versions, "corpus": res.corpus,
+        "run_id": trial.run_id,
+        "sweep_id": sid,
+        "arch": trial.arch,
+        "budget": trial.budget,
+        "d_model": m.d_model,
+        "n_layers": m.n_layers,
+        "n_heads": m.n_heads,
+        "n_kv_heads": m.n_kv_heads,
+        "d_ff": m.d_ff,
+        "seq_len": m.seq_len,
+        "vocab_size": m.vocab_size,
+        "params_total": trial.params["total"],
+        "params_nonembed": trial.params["nonembed"],
+        "params_active": trial.params["active"],
+        "flops_per_token": trial.flops_per_token,
+        "flops_6nd": 6 * trial.params["nonembed"] * res.tokens,
+        "train_flops": res.train_flops,
+        "tokens": res.tokens,
+        "steps": res.steps,
+        "batch_size": lab.train.batch_size,
+        "lr": lab.train.lr,
+        "seed": lab.train.seed,
+        "status": res.status,
+        "val_loss": res.val_loss,
+        "val_loss_causal": res.val_loss_causal,
+        "routing_stats": res.routing_stats or None,
+        "train_loss": res.train_loss,
+        "wall_s": res.wall_s,
+        "tokens_per_s": res.tokens_per_s,
+        "mfu": res.mfu,
+        "peak_flops": res.peak_flops,
+        "device": res.device,
+        "precision": res.precision,
+        "versions": res.versions,
+        "corpus": res.corpus,
         "corpus_fingerprint": res.corpus_fingerprint,
         "config": {"model": asdict(m), "data": asdict(lab.data), "train": asdict(lab.train)},
     }
@@ -39,11 +64,15 @@ def _queue(db: Path, sid: str, todo: list[Trial], all_ids: list[str]) -> optuna.
     backend = optuna.storages.journal.JournalFileBackend(str(db) + ".optuna.log")
     storage = optuna.storages.JournalStorage(backend)
     study = optuna.create_study(
-        study_name=sid, storage=storage, direction="minimize", load_if_exists=True,
+        study_name=sid,
+        storage=storage,
+        direction="minimize",
+        load_if_exists=True,
         sampler=optuna.samplers.RandomSampler(seed=0),
     )
-    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,
-                                                     optuna.trial.TrialState.WAITING)):
+    for t in study.get_trials(
+        deepcopy=False, states=(optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.WAITING)
+    ):
         storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
     for t in todo:
         study.enqueue_trial({"run_id": t.run_id})
@@ -81,7 +110,7 @@ def run_isoflop(lab: LabConfig, conf_dir: Path, db: Path, preset: str, dry_run: 
             f" layers={t.shape.n_layers} params={t.params['nonembed']:,} tokens={t.tokens:,} steps={t.steps}",
             flush=True,
         )
-        res = fit(RunConfig(model=t.model, data=lab.data, train=replace(lab.train), steps=t.steps))
+        res = fit(RunConfig(model=t.model, data=lab.data, train=lab.train, steps=t.steps))
         con = results.connect(db)
         try:
             results.add_run(con, run_row(sid, t, lab, res), res.curve)

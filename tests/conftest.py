@@ -21,8 +21,12 @@ def cli(tmp_path):
 
     def run(module: str, *args: str, timeout: float = 600):
         return subprocess.run(
-            [sys.executable, "-m", module, *args], cwd=tmp_path, capture_output=True, text=True,
-            timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            [sys.executable, "-m", module, *args],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
 
     return run

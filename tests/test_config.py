@@ -18,8 +18,9 @@ def test_default_preset_is_typed_and_frozen():
 
 
 def test_overrides_apply_to_sections_and_model_families():
-    lab = load_config(CONF, "isoflop", ["train.lr=1e-3", "sweep.budgets=[2e11,4e11]", "model.qk_norm=true",
-                                        "data.seq_len=64"])
+    lab = load_config(
+        CONF, "isoflop", ["train.lr=1e-3", "sweep.budgets=[2e11,4e11]", "model.qk_norm=true", "data.seq_len=64"]
+    )
     assert lab.train.lr == 1e-3 and lab.sweep.budgets == [2e11, 4e11]
     m = model_config(lab, "dense", Shape(64, 2, 4, 2), CONF)
     assert m.qk_norm and m.seq_len == 64 and m.n_kv_heads == 2 and m.vocab_size == 256

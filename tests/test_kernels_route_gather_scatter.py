@@ -32,9 +32,7 @@ def _poison(monkeypatch):
 
 def assert_close(name: str, ref: torch.Tensor, tri: torch.Tensor, ratio: float) -> None:
     """FLA-style relative RMS error check; NaN anywhere (an unwritten poisoned element) fails."""
-    assert ref.shape == tri.shape and ref.dtype == tri.dtype, (
-        f"{name}: {ref.shape}/{ref.dtype} vs {tri.shape}"
-    )
+    assert ref.shape == tri.shape and ref.dtype == tri.dtype, f"{name}: {ref.shape}/{ref.dtype} vs {tri.shape}"
     assert not tri.isnan().any(), f"{name}: NaN in output (unwritten element?)"
     if ref.numel() == 0:
         return

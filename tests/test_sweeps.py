@@ -49,7 +49,7 @@ def test_sweep_writes_one_row_per_run_with_exact_flops(swept):
         " flops_6nd, val_loss, status, corpus_fingerprint, device, versions FROM runs"
     ).fetchall()
     assert len(rows) == 6
-    for arch, budget, n, fpt, tokens, steps, bs, T, train_flops, f6, val, status, fp, device, versions in rows:
+    for _arch, budget, n, fpt, tokens, steps, bs, T, train_flops, f6, val, status, fp, device, versions in rows:
         assert status == "ok" and 0 < val < 6
         assert tokens == steps * bs * T
         assert train_flops == pytest.approx(3 * fpt * tokens)

@@ -11,7 +11,6 @@ import argparse
 import statistics
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -72,8 +71,10 @@ def bench_loop(args) -> None:
         plain.append(time_plain(model_cfg, data, train, args.steps))
         light.append(time_lightning(model_cfg, data, train, args.steps))
     p, lt = statistics.median(plain), statistics.median(light)
-    print(f"model d_model={args.d_model} layers={args.n_layers} batch=16x128, {args.steps} steps, "
-          f"{args.repeats} alternating repeats, torch threads={torch.get_num_threads()}")
+    print(
+        f"model d_model={args.d_model} layers={args.n_layers} batch=16x128, {args.steps} steps, "
+        f"{args.repeats} alternating repeats, torch threads={torch.get_num_threads()}"
+    )
     print(f"plain PyTorch loop: {p:.2f}s median ({', '.join(f'{v:.2f}' for v in plain)})")
     print(f"Lightning (fit path): {lt:.2f}s median ({', '.join(f'{v:.2f}' for v in light)})")
     print(f"ratio Lightning / plain = {lt / p:.3f}")
@@ -87,19 +88,24 @@ def bench_mfu(args) -> None:
         rng.integers(0, vocab, size=args.tokens, dtype=np.uint16).tofile(path)  # synthetic: speed only
         T, d, H = args.seq_len, args.d_model, args.d_model // 64
         data = DataConfig(corpus=str(path), bin_vocab_size=vocab, seq_len=T, val_tokens=T * 64)
-        model = DenseConfig(d_model=d, n_layers=args.n_layers, n_heads=H, n_kv_heads=H, seq_len=T, vocab_size=vocab,
-                            tie_embeddings=True)
-        train = TrainConfig(batch_size=args.batch_size, compile=not args.no_compile, progress=False,
-                            log_every=50, lr=6e-4)
-        res = fit(RunConfig(model, data, replace(train), args.steps))
+        model = DenseConfig(
+            d_model=d, n_layers=args.n_layers, n_heads=H, n_kv_heads=H, seq_len=T, vocab_size=vocab, tie_embeddings=True
+        )
+        train = TrainConfig(
+            batch_size=args.batch_size, compile=not args.no_compile, progress=False, log_every=50, lr=6e-4
+        )
+        res = fit(RunConfig(model, data, train, args.steps))
     n = model.n_params()
-    print(f"dense d{d} L{args.n_layers} H{H} T{T} vocab {vocab} tied: params {n['total']:,} (non-embedding {n['nonembed']:,}),"
-          f" forward FLOPs/token {model.flops_per_token():.4g}")
-    print(f"device {res.device}, precision {res.precision}, batch {args.batch_size}x{T}, steps {args.steps},"
-          f" compile {not args.no_compile}")
+    print(
+        f"dense d{d} L{args.n_layers} H{H} T{T} vocab {vocab} tied: params {n['total']:,}"
+        f" (non-embedding {n['nonembed']:,}), forward FLOPs/token {model.flops_per_token():.4g}"
+    )
+    print(
+        f"device {res.device}, precision {res.precision}, batch {args.batch_size}x{T}, steps {args.steps},"
+        f" compile {not args.no_compile}"
+    )
     mfu = f"MFU {res.mfu:.1%} of peak {res.peak_flops:.4g} FLOP/s" if res.mfu else "MFU n/a (no known peak)"
-    print(f"tokens/s {res.tokens_per_s:,.0f}  {mfu}"
-          f" (window of the last {min(100, args.steps // 2)} steps)")
+    print(f"tokens/s {res.tokens_per_s:,.0f}  {mfu} (window of the last {min(100, args.steps // 2)} steps)")
 
 
 def main() -> None:

@@ -161,8 +161,12 @@ def model_config(lab: LabConfig, arch: str, shape: Shape, conf_dir: Path):
         layers.append(_yaml(family))
     layers.append(OmegaConf.create({k: v for k, v in lab.model.items() if k in names}))
     fixed = {
-        "arch": arch, "d_model": shape.d_model, "n_layers": shape.n_layers, "n_heads": shape.n_heads,
-        "n_kv_heads": shape.n_kv_heads or shape.n_heads, "seq_len": lab.data.seq_len,
+        "arch": arch,
+        "d_model": shape.d_model,
+        "n_layers": shape.n_layers,
+        "n_heads": shape.n_heads,
+        "n_kv_heads": shape.n_kv_heads or shape.n_heads,
+        "seq_len": lab.data.seq_len,
         "vocab_size": vocab_size(lab.data),
     }
     layers.append(OmegaConf.create(fixed))

@@ -30,9 +30,9 @@ class LitLM(L.LightningModule):
         super().__init__()
         self.model, self.cfg, self.max_steps = model, train, max_steps
         self.flops_per_batch = flops_per_batch  # training FLOPs (3 x forward), read by ThroughputMonitor
-        self.val_loss = torchmetrics.MeanMetric()
+        self.val_sums = torchmetrics.MetricCollection({})  # filled lazily: one SumMetric per statistic
         self.curve: list[dict] = []
-        self.final_val_loss: float | None = None
+        self.val_metrics: dict[str, float] = {}
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         x, y = batch  # [B, T], [B, T]
@@ -40,22 +40,31 @@ class LitLM(L.LightningModule):
         step = self.global_step + 1
         if step % self.cfg.log_every == 0 or step == self.max_steps or step == 1:
             value = loss.detach().float().item()
-            self.curve.append({
-                "step": step, "tokens": step * x.numel(), "flops": step * self.flops_per_batch,
-                "train_loss": value, "lr": self.lr_schedulers().get_last_lr()[0],
-            })
+            self.curve.append(
+                {
+                    "step": step,
+                    "tokens": step * x.numel(),
+                    "flops": step * self.flops_per_batch,
+                    "train_loss": value,
+                    "lr": self.lr_schedulers().get_last_lr()[0],
+                }
+            )
             self.log("loss", value, prog_bar=True, on_step=True, logger=False)
         return loss
 
     def validation_step(self, batch, batch_idx: int) -> None:
         x, y = batch
-        self.val_loss.update(self.model.loss(x, y), weight=y.numel())
+        for name, value in self.model.eval_sums(x, y).items():
+            if name not in self.val_sums:
+                self.val_sums.add_metrics({name: torchmetrics.SumMetric().to(self.device)})
+            self.val_sums[name].update(value.detach().double())
 
     def on_validation_epoch_end(self) -> None:
-        loss = self.val_loss.compute()
-        self.final_val_loss = float(loss)
-        self.log_dict({"val_loss": loss, "val_ppl": loss.exp()}, prog_bar=True, logger=False)
-        self.val_loss.reset()
+        sums = {name: float(v) for name, v in self.val_sums.compute().items()}
+        self.val_metrics = self.model.eval_summary(sums)
+        loss = self.val_metrics["val_loss"]
+        self.log_dict({"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}, prog_bar=True, logger=False)
+        self.val_sums.reset()
 
     def on_before_optimizer_step(self, optimizer) -> None:
         # Clipping here rather than through Trainer(gradient_clip_val): Lightning refuses that with fused
@@ -69,12 +78,12 @@ class LitLM(L.LightningModule):
         rest = [p for n, p in self.model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
         opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": c.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-            lr=c.lr, betas=(c.beta1, c.beta2), fused=self._fused(),
+            lr=c.lr,
+            betas=(c.beta1, c.beta2),
+            fused=self._fused(),
         )
         warmup = max(1, round(c.warmup_frac * self.max_steps))
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda s: lr_lambda(s, self.max_steps, warmup, c.min_lr_ratio)
-        )
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, self.max_steps, warmup, c.min_lr_ratio))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def _fused(self) -> bool | None:

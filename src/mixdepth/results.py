@@ -178,8 +178,15 @@ def add_fits(con: duckdb.DuckDBPyConnection, rows: Iterable[Mapping[str, Any]]) 
             con.execute(
                 "INSERT INTO fits VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, now())",
                 [
-                    r["fit_id"], r.get("sweep_id"), r["arch"], r["method"], r.get("budget"),
-                    _json(r["params"]), _json(r.get("ci", {})), r["n_points"], r.get("objective"),
+                    r["fit_id"],
+                    r.get("sweep_id"),
+                    r["arch"],
+                    r["method"],
+                    r.get("budget"),
+                    _json(r["params"]),
+                    _json(r.get("ci", {})),
+                    r["n_points"],
+                    r.get("objective"),
                 ],
             )
         con.execute("COMMIT")

@@ -37,6 +37,8 @@ class RunConfig:
 class RunResult:
     status: str  # ok | diverged
     val_loss: float
+    val_loss_causal: float | None  # routed families: held-out loss under causal routing
+    routing_stats: dict[str, float]  # routed families: capacity, predictor accuracy/precision/recall, ...
     train_loss: float
     steps: int
     tokens: int
@@ -125,10 +127,19 @@ def resolve_device(t: TrainConfig) -> tuple[str, str]:
 def make_trainer(t: TrainConfig, steps: int, accelerator: str, precision: str, callbacks: list) -> L.Trainer:
     """The Trainer every run uses (benchmarks time this same object)."""
     return L.Trainer(
-        accelerator=accelerator, devices=1, precision=precision, max_steps=steps,
-        logger=False, enable_checkpointing=False,
-        enable_model_summary=False, enable_progress_bar=t.progress, num_sanity_val_steps=0,
-        limit_val_batches=0, callbacks=callbacks, log_every_n_steps=t.log_every, use_distributed_sampler=False,
+        accelerator=accelerator,
+        devices=1,
+        precision=precision,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=t.progress,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=callbacks,
+        log_every_n_steps=t.log_every,
+        use_distributed_sampler=False,
     )
 
 
@@ -161,13 +172,28 @@ def fit(run: RunConfig, cache_dir: Path | None = None) -> RunResult:
 
     tp = monitor.summary()
     tokens = run.steps * tokens_per_batch
-    tail = [p["train_loss"] for p in lit.curve[-max(1, len(lit.curve) // 10):]]
-    val = lit.final_val_loss if lit.final_val_loss is not None else float("nan")
+    tail = [p["train_loss"] for p in lit.curve[-max(1, len(lit.curve) // 10) :]]
+    metrics = dict(lit.val_metrics)
+    val = metrics.pop("val_loss", float("nan"))
+    causal = metrics.pop("val_loss_causal", None)
     tps = tp.get("device/items_per_sec", tokens / wall)
     return RunResult(
         status="ok" if math.isfinite(val) else "diverged",
-        val_loss=val, train_loss=sum(tail) / len(tail), steps=run.steps, tokens=tokens,
-        train_flops=3 * fpt * tokens, wall_s=wall, tokens_per_s=tps,
-        mfu=tp.get("device/mfu"), peak_flops=peak, device=device_name(accelerator), precision=precision,
-        corpus=corpus.name, corpus_fingerprint=corpus.fingerprint, versions=versions(), curve=lit.curve,
+        val_loss=val,
+        val_loss_causal=causal,
+        routing_stats=metrics,
+        train_loss=sum(tail) / len(tail),
+        steps=run.steps,
+        tokens=tokens,
+        train_flops=3 * fpt * tokens,
+        wall_s=wall,
+        tokens_per_s=tps,
+        mfu=tp.get("device/mfu"),
+        peak_flops=peak,
+        device=device_name(accelerator),
+        precision=precision,
+        corpus=corpus.name,
+        corpus_fingerprint=corpus.fingerprint,
+        versions=versions(),
+        curve=lit.curve,
     )

@@ -133,5 +133,14 @@ class DenseLM(nn.Module):
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy (nats), computed in fp32."""
+        """The training objective: mean next-token cross-entropy (nats) in fp32 (+ aux losses in routed families)."""
         return self(idx, targets)
+
+    def eval_sums(self, idx: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Additive held-out statistics of one batch; summed over batches, then read by ``eval_summary``."""
+        return {"loss_sum": self(idx, targets) * targets.numel(), "tokens": torch.tensor(targets.numel())}
+
+    @staticmethod
+    def eval_summary(sums: dict[str, float]) -> dict[str, float]:
+        """Held-out metrics from summed statistics: ``val_loss`` always; routed families add their own."""
+        return {"val_loss": sums["loss_sum"] / sums["tokens"]}

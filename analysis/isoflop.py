@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 from scipy.optimize import least_squares
+from threadpoolctl import threadpool_limits
 
-from analysis.blas import single_threaded
 from analysis.errors import AnalysisError
 from analysis.records import IsoflopFit, ParabolaFit, PowerLaw
 
@@ -159,7 +159,7 @@ def _vertex_laws(fits: list[ParabolaFit]) -> np.ndarray | None:
     return np.array([_loglog_line(c, np.asarray(v)) for v in cols])
 
 
-@single_threaded
+@threadpool_limits.wrap(limits=1, user_api="blas")  # tiny BLAS calls: a busy thread pool is 50x slower
 def fit_isoflop(
     n: np.ndarray,
     c: np.ndarray,

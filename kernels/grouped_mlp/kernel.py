@@ -1,0 +1,420 @@
+"""Triton kernels for the grouped expert SwiGLU MLP (tokens grouped by expert, grouped GEMMs).
+
+Layout: the M assignments are stably sorted by expert (no-op experts, index -1 or ``>= E``, sorted last and
+never computed); "sorted rows" below are positions in that order, expert e owning rows
+``[off[e], off[e + 1])``. A tile schedule maps each GEMM program to ``(expert, first row)``; it is built on
+the device (no host sync) with a static upper bound on the number of tiles, surplus programs exit at once.
+
+Two kernels:
+
+- ``_gmm_kernel``: row-grouped GEMM ``C[r] = A[r] @ B[e(r)]`` over (tile, column block) programs, with the
+  A rows optionally gathered from ``x`` through the token index (the routed gather is fused into the GEMM
+  loads, so ``x`` is never copied into expert order). Epilogues (constexpr ``EPI``):
+  0 plain store (``y = h @ W2``); 1 SwiGLU forward (``A @ W1``, ``A @ W3`` in one pass over A, stores the
+  pre-activations a, b and ``h = silu(a) * b``); 2 SwiGLU backward (``dh = dy @ W2^T``, then
+  ``da = dh * b * silu'(a)``, ``db = dh * silu(a)``); 3 sum of two products (``dx = da @ W1^T + db @ W3^T``).
+- ``_wgrad_kernel``: per-expert reduction over that expert's rows (a grouped "transposed" GEMM) for
+  ``dW1 = X^T da``, ``dW3 = X^T db`` (MODE 0, both from one pass over the gathered X) and
+  ``dW2 = h^T dy`` (MODE 1, h recomputed from the saved a, b). Every element of dW is written (experts with
+  no rows get 0).
+
+Accumulation is fp32 everywhere; fp32 inputs use IEEE dots (exact reference path), 16-bit inputs the tensor
+cores. Pointer arithmetic only (no ``tl.make_block_ptr``), int64 row offsets: Triton 3.6 and 3.9. Token
+indices outside ``[0, N)`` read as zero rows (memory safe); range checks live in ``op.py``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["INTERPRET", "POISON_EMPTY", "GmmConfig", "Routing", "build_routing", "gmm", "wgrad"]
+
+# Tests set this (or MIXDEPTH_POISON_EMPTY=1) so outputs start as NaN and unwritten elements fail.
+POISON_EMPTY: bool = os.environ.get("MIXDEPTH_POISON_EMPTY", "") == "1"
+# Triton picks interpreter vs compiler when the @triton.jit decorators below run, i.e. at this import.
+INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
+@dataclass(frozen=True)
+class GmmConfig:
+    """Tile sizes (powers of two, >= 16 for ``tl.dot``). Untuned defaults for H200 bf16; not yet swept."""
+
+    block_m: int = 128  # rows per tile of the row-grouped GEMMs (also the schedule granularity)
+    block_n: int = 128
+    block_k: int = 64
+    wgrad_p: int = 128  # dW tile rows
+    wgrad_q: int = 128  # dW tile columns
+    wgrad_k: int = 64  # sorted rows per reduction step
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+CONFIG = GmmConfig()
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if POISON_EMPTY and dtype.is_floating_point:
+        out.fill_(float("nan"))
+    return out
+
+
+def _dot_prec(dtype: torch.dtype) -> str:
+    # fp32 inputs: exact fp32 products (the reference path); 16-bit inputs use the tensor cores anyway
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def _gmm_kernel(
+    a_ptr,
+    tok_ptr,
+    b_ptr,
+    a2_ptr,
+    b2_ptr,
+    c_ptr,
+    c2_ptr,
+    c3_ptr,
+    e1_ptr,
+    e2_ptr,
+    tile_e_ptr,
+    tile_r_ptr,
+    off_ptr,
+    n_tok,
+    K,
+    N,
+    stride_am,
+    stride_be,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    EPI: tl.constexpr,
+    GATHER: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    e = tl.load(tile_e_ptr + tile)
+    if e < 0:  # surplus program of the static-size grid
+        return
+    row0 = tl.load(tile_r_ptr + tile).to(tl.int64)
+    row_end = tl.load(off_ptr + e + 1).to(tl.int64)
+    rows = row0 + tl.arange(0, BLOCK_M)  # [BM] sorted rows
+    rmask = rows < row_end
+    if GATHER:  # A row of sorted row r is x[tok[r]]
+        src = tl.load(tok_ptr + rows, mask=rmask, other=-1).to(tl.int64)
+        amask = rmask & (src >= 0) & (src < n_tok)
+        src = tl.where(amask, src, 0)
+    else:
+        src = rows
+        amask = rmask
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    cmask = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    b_base = b_ptr + e.to(tl.int64) * stride_be + cols[None, :] * stride_bn
+    b2_base = b2_ptr + e.to(tl.int64) * stride_be + cols[None, :] * stride_bn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + ks
+        kmask = kk < K
+        a = tl.load(a_ptr + src[:, None] * stride_am + kk[None, :], mask=amask[:, None] & kmask[None, :], other=0.0)
+        bmask = kmask[:, None] & cmask[None, :]
+        b = tl.load(b_base + kk[:, None] * stride_bk, mask=bmask, other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
+        if EPI == 1:  # second projection over the same A tile
+            b2 = tl.load(b2_base + kk[:, None] * stride_bk, mask=bmask, other=0.0)
+            acc2 = tl.dot(a, b2, acc2, input_precision=DOT_PREC)
+        if EPI == 3:  # second product with its own A
+            a2 = tl.load(
+                a2_ptr + src[:, None] * stride_am + kk[None, :], mask=amask[:, None] & kmask[None, :], other=0.0
+            )
+            b2 = tl.load(b2_base + kk[:, None] * stride_bk, mask=bmask, other=0.0)
+            acc = tl.dot(a2, b2, acc, input_precision=DOT_PREC)
+    out_off = rows[:, None] * stride_cm + cols[None, :]
+    omask = rmask[:, None] & cmask[None, :]
+    dt = c_ptr.dtype.element_ty
+    if EPI == 1:
+        # h from the ROUNDED a, b: the backward recomputes h from the saved (rounded) a, b and must agree
+        pa = acc.to(dt)
+        pb = acc2.to(dt)
+        af = pa.to(tl.float32)
+        h = af * tl.sigmoid(af) * pb.to(tl.float32)
+        tl.store(c_ptr + out_off, pa, mask=omask)
+        tl.store(c2_ptr + out_off, pb, mask=omask)
+        tl.store(c3_ptr + out_off, h.to(dt), mask=omask)
+    elif EPI == 2:
+        af = tl.load(e1_ptr + out_off, mask=omask, other=0.0).to(tl.float32)
+        bf = tl.load(e2_ptr + out_off, mask=omask, other=0.0).to(tl.float32)
+        s = tl.sigmoid(af)
+        da = acc * bf * s * (1.0 + af * (1.0 - s))
+        db = acc * af * s
+        tl.store(c_ptr + out_off, da.to(dt), mask=omask)
+        tl.store(c2_ptr + out_off, db.to(dt), mask=omask)
+    else:
+        tl.store(c_ptr + out_off, acc.to(dt), mask=omask)
+
+
+@triton.jit
+def _wgrad_kernel(
+    p_ptr,
+    tok_ptr,
+    e2_ptr,
+    q_ptr,
+    q2_ptr,
+    dw_ptr,
+    dw2_ptr,
+    off_ptr,
+    n_tok,
+    P,
+    Q,
+    stride_pm,
+    stride_qm,
+    stride_we,
+    stride_wp,
+    MODE: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # MODE 0: dw[e] = X[rows_e]^T @ q[rows_e], dw2[e] = X^T @ q2 (X gathered from p = x via tok)
+    # MODE 1: dw[e] = h[rows_e]^T @ q[rows_e] with h = silu(a) * b, a = p, b = e2 (sorted rows)
+    e = tl.program_id(0)
+    ps = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)  # [BP]
+    qs = tl.program_id(2) * BLOCK_Q + tl.arange(0, BLOCK_Q)  # [BQ]
+    pmask = ps < P
+    qmask = qs < Q
+    start = tl.load(off_ptr + e).to(tl.int64)
+    end = tl.load(off_ptr + e + 1).to(tl.int64)
+    acc = tl.zeros([BLOCK_P, BLOCK_Q], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_P, BLOCK_Q], dtype=tl.float32)
+    for r0 in range(start, end, BLOCK_K):
+        rows = r0 + tl.arange(0, BLOCK_K)  # [BK] sorted rows
+        rmask = rows < end
+        q = tl.load(q_ptr + rows[:, None] * stride_qm + qs[None, :], mask=rmask[:, None] & qmask[None, :], other=0.0)
+        if MODE == 0:
+            src = tl.load(tok_ptr + rows, mask=rmask, other=-1).to(tl.int64)
+            smask = rmask & (src >= 0) & (src < n_tok)
+            src = tl.where(smask, src, 0)
+            xmask = pmask[:, None] & smask[None, :]
+            pt = tl.load(p_ptr + src[None, :] * stride_pm + ps[:, None], mask=xmask, other=0.0)  # [BP, BK]
+            acc = tl.dot(pt, q, acc, input_precision=DOT_PREC)  # [BP, BQ]
+            q2 = tl.load(
+                q2_ptr + rows[:, None] * stride_qm + qs[None, :], mask=rmask[:, None] & qmask[None, :], other=0.0
+            )
+            acc2 = tl.dot(pt, q2, acc2, input_precision=DOT_PREC)
+        else:
+            toff = rows[None, :] * stride_pm + ps[:, None]  # [BP, BK]
+            tmask = pmask[:, None] & rmask[None, :]
+            af = tl.load(p_ptr + toff, mask=tmask, other=0.0).to(tl.float32)
+            bf = tl.load(e2_ptr + toff, mask=tmask, other=0.0).to(tl.float32)
+            ht = (af * tl.sigmoid(af) * bf).to(q.dtype)
+            acc = tl.dot(ht, q, acc, input_precision=DOT_PREC)
+    w_off = e.to(tl.int64) * stride_we + ps[:, None].to(tl.int64) * stride_wp + qs[None, :]
+    wmask = pmask[:, None] & qmask[None, :]
+    tl.store(dw_ptr + w_off, acc.to(dw_ptr.dtype.element_ty), mask=wmask)
+    if MODE == 0:
+        tl.store(dw2_ptr + w_off, acc2.to(dw2_ptr.dtype.element_ty), mask=wmask)
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Expert-sorted view of the assignments, all on the device (built without a host sync).
+
+    Attributes:
+        perm: ``[M]`` stable argsort of the expert key (no-op assignments last).
+        tok: ``[M]`` token of each sorted row; -1 for no-op rows (so the scatter skips them).
+        w: ``[M]`` router weight of each sorted row.
+        off: ``[E + 1]`` int64 row offsets; expert e owns sorted rows ``[off[e], off[e + 1])``.
+        tile_e: ``[T]`` int32 expert of each GEMM tile, -1 for surplus tiles.
+        tile_r: ``[T]`` int64 first sorted row of each tile.
+        seg_order, seg: CSR view of ``tok`` over tokens (``build_segments`` of route_gather_scatter).
+    """
+
+    perm: torch.Tensor
+    tok: torch.Tensor
+    w: torch.Tensor
+    off: torch.Tensor
+    tile_e: torch.Tensor
+    tile_r: torch.Tensor
+    seg_order: torch.Tensor
+    seg: torch.Tensor
+
+
+def build_routing(
+    token_idx: torch.Tensor, expert_idx: torch.Tensor, weight: torch.Tensor, n_tok: int, n_exp: int, block_m: int
+) -> Routing:
+    """Sorts assignments by expert and builds the per-expert offsets and the tile schedule.
+
+    The grid has the static size ``T = cdiv(M, block_m) + min(E, M)`` >= ``sum_e cdiv(M_e, block_m)``, so no
+    group size has to reach the host; tiles past the real count get expert -1 and exit at once.
+    """
+    from kernels.route_gather_scatter.kernel import build_segments
+
+    dev = token_idx.device
+    m = token_idx.shape[0]
+    valid = (expert_idx >= 0) & (expert_idx < n_exp)
+    key = torch.where(valid, expert_idx, n_exp)
+    sorted_key, perm = torch.sort(key, stable=True)
+    off = torch.searchsorted(sorted_key, torch.arange(n_exp + 1, device=dev, dtype=sorted_key.dtype))  # [E+1]
+    tok = torch.where(valid, token_idx, -1).index_select(0, perm)  # [M]
+    w = weight.index_select(0, perm)
+    counts = off[1:] - off[:-1]  # [E]
+    tile_end = torch.cumsum((counts + block_m - 1) // block_m, 0)  # [E] inclusive
+    n_tiles = triton.cdiv(m, block_m) + min(n_exp, m)
+    t = torch.arange(n_tiles, device=dev, dtype=tile_end.dtype)
+    te = torch.searchsorted(tile_end, t, right=True)  # [T] expert of each tile (E: surplus)
+    tec = te.clamp_max(n_exp - 1)
+    first_tile = tile_end.index_select(0, tec) - (counts.index_select(0, tec) + block_m - 1) // block_m
+    tile_r = off.index_select(0, tec) + (t - first_tile) * block_m
+    tile_e = torch.where(te < n_exp, te, -1).to(torch.int32)
+    order, seg = build_segments(tok, n_tok)
+    return Routing(perm, tok, w, off.contiguous(), tile_e, tile_r.contiguous(), order, seg)
+
+
+def gmm(
+    epi: int,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    rt: Routing,
+    out_cols: int,
+    *,
+    gather: bool = False,
+    n_tok: int = 0,
+    a2: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    e1: torch.Tensor | None = None,
+    e2: torch.Tensor | None = None,
+    cfg: GmmConfig | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """Row-grouped GEMM over sorted rows ``C[r] = A[r] @ B[e(r)]`` with epilogue ``epi`` (see module doc).
+
+    Args:
+        epi: 0 plain, 1 SwiGLU forward (``b``, ``b2`` = W1, W3), 2 SwiGLU backward (``e1``, ``e2`` = a, b),
+            3 ``A @ B + A2 @ B2``.
+        a: ``[N, K]`` (``gather=True``: rows ``a[tok[r]]``) or ``[M, K]`` sorted rows; unit column stride.
+        b: ``[E, K, out_cols]`` view (any strides; a transposed weight is a strided view). ``b2`` likewise.
+        rt: from ``build_routing`` (same ``block_m`` as ``cfg``).
+        out_cols: columns of C.
+        n_tok: N, the number of rows of ``a`` when gathering.
+
+    Returns:
+        ``(c,)``, or ``(a_pre, b_pre, h)`` for epi 1, or ``(da, db)`` for epi 2; each ``[M, out_cols]`` in
+        ``a.dtype`` with only the rows of real experts written.
+    """
+    cfg = cfg or CONFIG
+    m = rt.tok.shape[0]
+    k = a.shape[1]
+    n_out = {0: 1, 1: 3, 2: 2, 3: 1}[epi]
+    outs = tuple(_empty((m, out_cols), a.dtype, a.device) for _ in range(n_out))
+    if m == 0 or out_cols == 0:
+        return outs
+    if a2 is not None:
+        assert a2.stride() == a.stride()
+    if b2 is not None:
+        assert b2.stride() == b.stride()
+    if e1 is not None:
+        assert e1.stride(0) == outs[0].stride(0) and e2.stride(0) == outs[0].stride(0)
+    grid = (rt.tile_e.shape[0], triton.cdiv(out_cols, cfg.block_n))
+    _gmm_kernel[grid](
+        a,
+        rt.tok,
+        b,
+        a2 if a2 is not None else a,
+        b2 if b2 is not None else b,
+        outs[0],
+        outs[1] if n_out > 1 else outs[0],
+        outs[2] if n_out > 2 else outs[0],
+        e1 if e1 is not None else outs[0],
+        e2 if e2 is not None else outs[0],
+        rt.tile_e,
+        rt.tile_r,
+        rt.off,
+        n_tok,
+        k,
+        out_cols,
+        a.stride(0),
+        b.stride(0),
+        b.stride(1),
+        b.stride(2),
+        outs[0].stride(0),
+        EPI=epi,
+        GATHER=gather,
+        DOT_PREC=_dot_prec(a.dtype),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return outs
+
+
+def wgrad(
+    mode: int,
+    p: torch.Tensor,
+    q: torch.Tensor,
+    rt: Routing,
+    n_exp: int,
+    w_dtype: torch.dtype,
+    *,
+    q2: torch.Tensor | None = None,
+    e2: torch.Tensor | None = None,
+    n_tok: int = 0,
+    cfg: GmmConfig | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """Per-expert weight gradients, reduced over each expert's sorted rows.
+
+    Args:
+        mode: 0: ``p = x [N, D]`` (gathered via ``rt.tok``), ``q, q2 = da, db [M, F]`` -> ``(dW1, dW3)``
+            ``[E, D, F]``; 1: ``p, e2 = a, b [M, F]`` (h recomputed), ``q = dy [M, D]`` -> ``(dW2,)``
+            ``[E, F, D]``.
+        rt: from ``build_routing``.
+        n_exp: E.
+        w_dtype: dtype of the weight gradients (fp32 accumulation, rounded once).
+
+    Returns:
+        The weight gradients, every element written.
+    """
+    cfg = cfg or CONFIG
+    pdim, qdim = p.shape[1], q.shape[1]
+    outs = tuple(_empty((n_exp, pdim, qdim), w_dtype, p.device) for _ in range(2 if mode == 0 else 1))
+    if n_exp == 0 or pdim == 0 or qdim == 0:
+        return outs
+    if q2 is not None:
+        assert q2.stride(0) == q.stride(0)
+    if e2 is not None:
+        assert e2.stride(0) == p.stride(0)
+    grid = (n_exp, triton.cdiv(pdim, cfg.wgrad_p), triton.cdiv(qdim, cfg.wgrad_q))
+    _wgrad_kernel[grid](
+        p,
+        rt.tok,
+        e2 if e2 is not None else p,
+        q,
+        q2 if q2 is not None else q,
+        outs[0],
+        outs[-1],
+        rt.off,
+        n_tok,
+        pdim,
+        qdim,
+        p.stride(0),
+        q.stride(0),
+        outs[0].stride(0),
+        outs[0].stride(1),
+        MODE=mode,
+        DOT_PREC=_dot_prec(p.dtype),
+        BLOCK_P=cfg.wgrad_p,
+        BLOCK_Q=cfg.wgrad_q,
+        BLOCK_K=cfg.wgrad_k,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return outs

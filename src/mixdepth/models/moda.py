@@ -1,0 +1,334 @@
+"""MoDA: mixture-of-depths attention (papers 000/002; DESIGN section 4).
+
+Every attention layer l lets the query at position t attend, in ONE softmax, to the causal sequence K/V of
+layer l and to the depth K/V slots of the same position t written by earlier blocks. Per block the slots are,
+in write order: the attention's own K/V (reused, no parameters), with ``extra`` an independent attention K/V
+projection (Table 3 row 5), with ``ffn`` the K/V of a projection of the FFN input (Table 3 row 4, default).
+
+Design choices (see the docstrings below for the why):
+
+* "Light" FFN K/V projection = one GQA-sized K and V projection ``D -> Hk*hd`` each. Table 3 adds 36.7M
+  parameters to a 36-layer D=1024, G=2 model: 35 x 2 x 1024 x 512 = 36.7M, i.e. exactly this projection in
+  every block but the last (whose slot no layer reads). We likewise create a projection only where its
+  slot is read.
+* RoPE on depth keys: a slot lives at the query's own position t and q is rotated at t, so every depth key
+  is rotated at t too (the reused attention K already is). Then q_t . k_t is position-free, exactly as if
+  neither were rotated; an unrotated depth key would make the depth logits depend on absolute position.
+* Depth slots live once in a preallocated buffer ``[B, Hk, T, n_slots, hd]`` (see ``DepthStore``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.moda_attn import moda_attn, moda_attn_naive
+from mixdepth.models.blocks import Attention, RMSNorm, Rotary, SwiGLU
+from mixdepth.models.dense import DenseConfig, DenseLM, ModelConfigError
+
+DEPTH_KV = ("attn", "attn+ffn", "attn+ffn+extra")
+
+
+@dataclass(frozen=True)
+class MoDAConfig(DenseConfig):
+    arch: str = "moda"
+    depth_kv: str = "attn+ffn"  # attn | attn+ffn | attn+ffn+extra (paper Table 3 rows 3-5)
+    depth_window: int = 0  # S: each layer reads only the last S slots (paper Sec. 6.2); 0 = all
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.depth_kv not in DEPTH_KV:
+            raise ModelConfigError(f"model.depth_kv must be one of {', '.join(DEPTH_KV)}, got {self.depth_kv!r}")
+        if self.depth_window < 0:
+            raise ModelConfigError(f"model.depth_window must be >= 0 (0 = unbounded), got {self.depth_window}")
+
+    # ---- slot layout --------------------------------------------------------------------------------
+    @property
+    def slot_kinds(self) -> tuple[str, ...]:
+        """Slots one block writes, in write order: attention K/V, extra K/V (after attention), FFN K/V."""
+        return (
+            ("attn",) + (("extra",) if "extra" in self.depth_kv else ()) + (("ffn",) if "ffn" in self.depth_kv else ())
+        )
+
+    def slot_index(self, layer: int, kind: str) -> int:
+        """Global write-order index of the ``kind`` slot of block ``layer``."""
+        return layer * len(self.slot_kinds) + self.slot_kinds.index(kind)
+
+    def depth_range(self, layer: int) -> tuple[int, int]:
+        """Slots [lo, hi) that layer's attention reads: all written before it, or the last ``depth_window``."""
+        hi = layer * len(self.slot_kinds)
+        return (max(0, hi - self.depth_window) if self.depth_window else 0), hi
+
+    def slot_is_read(self, layer: int, kind: str) -> bool:
+        """Whether any later layer reads this slot (windows only move forward, so layer+1 decides)."""
+        return layer + 1 < self.n_layers and self.slot_index(layer, kind) >= self.depth_range(layer + 1)[0]
+
+    @property
+    def n_slots(self) -> int:
+        """Depth buffer size: every slot written before the last layer's attention."""
+        return self.depth_range(self.n_layers - 1)[1]
+
+    def n_depth_proj(self) -> int:
+        """Number of (extra or FFN) depth K/V projections actually built."""
+        kinds = [k for k in self.slot_kinds if k != "attn"]
+        return sum(self.slot_is_read(layer, k) for layer in range(self.n_layers) for k in kinds)
+
+    # ---- parameters and FLOPs (DESIGN section 5) ----------------------------------------------------
+    def depth_proj_params(self) -> int:
+        return 2 * self.d_model * self.n_kv_heads * self.head_dim + (self.head_dim if self.qk_norm else 0)
+
+    def n_params(self) -> dict[str, int]:
+        n = super().n_params()
+        extra = self.n_depth_proj() * self.depth_proj_params()
+        return {k: v + extra for k, v in n.items()}
+
+    def depth_flops_per_token(self) -> float:
+        """Depth attention (QK and AV over the slots each layer reads) plus the depth K/V projections."""
+        reads = sum(hi - lo for lo, hi in map(self.depth_range, range(self.n_layers)))
+        attn = 4 * self.n_heads * self.head_dim * reads
+        proj = self.n_depth_proj() * 2 * self.d_model * 2 * self.n_kv_heads * self.head_dim
+        return attn + proj
+
+    def flops_per_token(self) -> float:
+        return super().flops_per_token() + self.depth_flops_per_token()
+
+
+# ---- the depth buffer -------------------------------------------------------------------------------
+def _alias(buf: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """``buf[:, :, :, lo:hi]`` as a tensor sharing buf's storage but with its OWN autograd version counter.
+
+    Writes of later slots go through ``buf`` (bumping only buf's counter), so a read saved for backward by
+    an earlier layer's attention does not trip autograd's in-place check. That is sound because writes only
+    touch slot indices >= hi of every read already made (slot write order = index order).
+    """
+    view = buf[:, :, :, lo:hi]
+    return buf.new_empty(0).set_(buf.untyped_storage(), view.storage_offset(), view.shape, view.stride())
+
+
+class _SlotRead(torch.autograd.Function):
+    """A zero-copy read of slots [lo, hi) whose gradient flows back to the tensors that were written there."""
+
+    @staticmethod
+    def forward(ctx, buf, lo, hi, *srcs):
+        return _alias(buf, lo, hi)  # [B, Hk, T, hi-lo, hd]
+
+    @staticmethod
+    def backward(ctx, g):
+        # g: [B, Hk, T, n, hd]; slot j's gradient is a view, no copy
+        grads = [g[:, :, :, j] if ctx.needs_input_grad[3 + j] else None for j in range(g.shape[3])]
+        return (None, None, None, *grads)
+
+
+class DepthStore:
+    """Preallocated depth K/V buffers ``[B, Hk, T, n_slots, hd]``, each slot written once, read as views.
+
+    Memory is O(L) slots: the buffers hold each slot once, and reads are strided prefix (or window) views
+    handed to the attention (the Triton kernel reads them in place; its backward returns one contiguous
+    gradient per read, freed after that layer's backward). Autograd keeps the source K/V of each slot
+    alive as it would for any attention, so nothing scales with L^2. Buffers are allocated lazily on the
+    first write (dtype and shape of that slot); ``allocations`` counts them for the memory test.
+    """
+
+    def __init__(self, n_slots: int):
+        self.n_slots = n_slots
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.src_k: list[torch.Tensor | None] = [None] * n_slots
+        self.src_v: list[torch.Tensor | None] = [None] * n_slots
+        self.allocations = 0
+
+    def write(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [B, Hk, T, hd] into slot i."""
+        if self.k is None:
+            B, H, T, D = k.shape
+            self.k = k.new_empty(B, H, T, self.n_slots, D)  # [B, Hk, T, S_max, hd]
+            self.v = v.new_empty(B, H, T, self.n_slots, D)
+            self.allocations += 2
+        with torch.no_grad():
+            self.k[:, :, :, i].copy_(k)
+            self.v[:, :, :, i].copy_(v)
+        self.src_k[i], self.src_v[i] = k, v
+
+    def read(self, lo: int, hi: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Slots [lo, hi) as ``[B, Hk, T, hi-lo, hd]`` views of the buffers, or (None, None) when empty."""
+        if hi <= lo:
+            return None, None
+        assert all(t is not None for t in self.src_k[lo:hi]), "reading an unwritten depth slot"
+        return _SlotRead.apply(self.k, lo, hi, *self.src_k[lo:hi]), _SlotRead.apply(self.v, lo, hi, *self.src_v[lo:hi])
+
+
+# ---- attention ----------------------------------------------------------------------------------------
+def _kernel_ok(q: torch.Tensor, impl: str) -> bool:
+    D = q.shape[-1]
+    return q.is_cuda and impl != "naive" and 16 <= D <= 256 and D & (D - 1) == 0
+
+
+def joint_attention(q, k, v, kd, vd, impl: str) -> torch.Tensor:
+    """One softmax over causal sequence K/V and same-position depth slots.
+
+    q: [B, Hq, T, hd]; k, v: [B, Hk, T, hd]; kd, vd: [B, Hk, T, S, hd] or None -> [B, Hq, T, hd].
+    The Triton kernel on CUDA (head dims it supports), the fp32 reference otherwise (CPU, FLOP counting).
+    """
+    if _kernel_ok(q, impl):
+        return moda_attn(q, k, v, kd, vd)
+    return moda_attn_naive(q, k, v, kd, vd)
+
+
+def cached_joint_attention(q, k, v, kd, vd, start: int) -> torch.Tensor:
+    """Joint attention for a chunk of queries at positions start..start+n-1 over a sequence KV cache.
+
+    q: [B, Hq, n, hd]; k, v: [B, Hk, start+n, hd] (cache prefix incl. the chunk); kd, vd: [B, Hk, n, S, hd]
+    (the chunk's in-flight depth slots) or None -> [B, Hq, n, hd]. fp32, like the reference.
+    """
+    B, Hq, n, hd = q.shape
+    G = Hq // k.shape[1]
+    qf = q.float()
+    kf, vf = k.float().repeat_interleave(G, 1), v.float().repeat_interleave(G, 1)  # [B, Hq, P, hd]
+    logits = qf @ kf.transpose(-1, -2) * hd**-0.5  # [B, Hq, n, P]
+    P = k.shape[2]
+    visible = torch.arange(P, device=q.device)[None, :] <= torch.arange(start, start + n, device=q.device)[:, None]
+    logits = logits.masked_fill(~visible, float("-inf"))
+    if kd is not None:
+        kdf, vdf = kd.float().repeat_interleave(G, 1), vd.float().repeat_interleave(G, 1)  # [B, Hq, n, S, hd]
+        logits = torch.cat([logits, torch.einsum("bhtd,bhtsd->bhts", qf, kdf) * hd**-0.5], -1)
+    p = logits.softmax(-1)  # one shared denominator
+    o = p[..., :P] @ vf
+    if kd is not None:
+        o = o + torch.einsum("bhts,bhtsd->bhtd", p[..., P:], vdf)
+    return o.to(v.dtype)
+
+
+class DepthKV(nn.Module):
+    """A depth K/V projection (FFN input or extra attention K/V): ``D -> Hk*hd`` each, RoPE at the slot's position."""
+
+    def __init__(self, d_model: int, n_kv_heads: int, head_dim: int, qk_norm: bool):
+        super().__init__()
+        self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
+        self.wk = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
+        self.wv = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
+        self.k_norm = RMSNorm(head_dim) if qk_norm else None
+
+    def forward(self, x: torch.Tensor, rope: Rotary, pos: torch.Tensor | None):
+        """x: [B, T, D] -> k, v [B, Hk, T, hd]."""
+        B, T, _ = x.shape
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return rope(k, pos), v
+
+
+class MoDABlock(nn.Module):
+    """Attention with depth slots + SwiGLU, ``norm`` pre or post as in blocks.Block; writes this block's slots."""
+
+    def __init__(self, cfg: MoDAConfig, layer: int):
+        super().__init__()
+        c = cfg
+        self.pre, self.impl = c.norm == "pre", c.attn_impl
+        self.attn = Attention(c.d_model, c.n_heads, c.n_kv_heads, c.qk_norm, c.attn_impl)
+        self.mlp = SwiGLU(c.d_model, c.d_ff)
+        self.norm1, self.norm2 = RMSNorm(c.d_model), RMSNorm(c.d_model)
+        self.reads = c.depth_range(layer)
+        # slot index per kind, None when no later layer reads it (then it is neither built nor written)
+        self.slot = {k: c.slot_index(layer, k) if c.slot_is_read(layer, k) else None for k in c.slot_kinds}
+        kv = lambda: DepthKV(c.d_model, c.n_kv_heads, c.head_dim, c.qk_norm)  # noqa: E731
+        self.extra_kv = kv() if self.slot.get("extra") is not None else None
+        self.ffn_kv = kv() if self.slot.get("ffn") is not None else None
+
+    def forward(self, x, rope, store: DepthStore, pos=None, cache: tuple | None = None, start: int = 0):
+        """x: [B, T, D] -> [B, T, D]. With ``cache`` = (k_cache, v_cache) [B, Hk, T_max, hd], x holds positions
+        start..start+T-1 and attends over the cached prefix; ``store`` then holds only this chunk's slots."""
+        B, T, D = x.shape
+        h = self.norm1(x) if self.pre else x
+        q, k, v = self.attn.qkv(h, rope, pos)
+        q, k = q.to(v.dtype), k.to(v.dtype)  # QK-norm's fp32 weight can promote q, k under autocast
+        kd, vd = store.read(*self.reads)
+        if cache is None:
+            y = joint_attention(q, k, v, kd, vd, self.impl)
+        else:
+            kc, vc = cache
+            kc[:, :, start : start + T], vc[:, :, start : start + T] = k, v
+            y = cached_joint_attention(q, kc[:, :, : start + T], vc[:, :, : start + T], kd, vd, start)
+        if self.slot["attn"] is not None:
+            store.write(self.slot["attn"], k, v)
+        if self.extra_kv is not None:
+            store.write(self.slot["extra"], *self.extra_kv(h, rope, pos))
+        a = self.attn.wo(y.transpose(1, 2).reshape(B, T, D))
+        x = x + a if self.pre else self.norm1(x + a)
+        h = self.norm2(x) if self.pre else x  # the FFN input, projected into this block's FFN slot
+        if self.ffn_kv is not None:
+            store.write(self.slot["ffn"], *self.ffn_kv(h, rope, pos))
+        return x + self.mlp(h) if self.pre else self.norm2(x + self.mlp(h))
+
+
+class MoDALM(DenseLM):
+    """Decoder-only LM with MoDA attention. forward(idx [B, T], targets=None) -> logits [B, T, V] or loss."""
+
+    cfg: MoDAConfig
+
+    def make_block(self, layer: int) -> nn.Module:
+        return MoDABlock(self.cfg, layer)
+
+    def trunk(self, idx: torch.Tensor, cache: list | None = None, start: int = 0):
+        """idx [B, T] -> (final hidden [B, T, D] before the norm, the DepthStore of this pass)."""
+        x = self.embed(idx)  # [B, T, D]
+        store = DepthStore(self.cfg.n_slots)
+        pos = None
+        if cache is not None:
+            pos = torch.arange(start, start + idx.shape[1], device=idx.device).expand(idx.shape[0], -1)  # [B, T]
+        for i, block in enumerate(self.blocks):
+            x = block(x, self.rope, store, pos, None if cache is None else cache[i], start)
+        return x, store
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self.head(self.norm(self.trunk(idx)[0]))  # [B, T, V]
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    # ---- decoding -----------------------------------------------------------------------------------
+    def new_cache(self, batch: int, max_len: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (k, v) sequence caches [B, Hk, max_len, hd]; depth slots are never cached (in-flight)."""
+        c, w = self.cfg, self.embed.weight
+        shape = (batch, c.n_kv_heads, max_len or c.seq_len, c.head_dim)
+        return [(w.new_zeros(shape), w.new_zeros(shape)) for _ in range(c.n_layers)]
+
+    @torch.no_grad()
+    def step(self, idx: torch.Tensor, cache: list, start: int) -> torch.Tensor:
+        """Tokens idx [B, n] at positions start..start+n-1 (prefill or one token) -> logits [B, n, V]."""
+        if start + idx.shape[1] > self.cfg.seq_len:
+            raise ValueError(f"position {start + idx.shape[1] - 1} is beyond seq_len={self.cfg.seq_len}")
+        return self.head(self.norm(self.trunk(idx, cache, start)[0]))
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Sample ``max_new_tokens`` after idx [B, T0] -> [B, T0 + max_new_tokens]; temperature 0 = greedy."""
+        B, T0 = idx.shape
+        if T0 + max_new_tokens > self.cfg.seq_len:
+            raise ValueError(f"prompt {T0} + {max_new_tokens} new tokens exceeds seq_len={self.cfg.seq_len}")
+        cache = self.new_cache(B, T0 + max_new_tokens)
+        logits = self.step(idx, cache, 0)[:, -1]  # [B, V]
+        out = [idx]
+        for i in range(max_new_tokens):
+            if temperature <= 0:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits.float() / temperature
+                if top_k is not None:
+                    kth = logits.topk(min(top_k, logits.shape[-1]), -1).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                nxt = torch.multinomial(logits.softmax(-1), 1, generator=generator)  # [B, 1]
+            out.append(nxt)
+            if i + 1 < max_new_tokens:
+                logits = self.step(nxt, cache, T0 + i)[:, -1]
+        return torch.cat(out, 1)

@@ -90,12 +90,16 @@ def run_isoflop(lab: LabConfig, conf_dir: Path, db: Path, preset: str, dry_run: 
             print("note:", n)
         return 0
     load_corpus(lab.data)  # fail on a bad corpus before the database is touched
-    con = results.connect(db)
+    con = results.connect(db)  # held for the whole sweep: the one writer of this database
     try:
-        results.add_sweep(con, sid, lab.sweep.name, preset, asdict(lab))
-        done = results.finished_run_ids(con)
+        return _run(lab, db, con, sid, preset, trials)
     finally:
         con.close()
+
+
+def _run(lab: LabConfig, db: Path, con, sid: str, preset: str, trials: list[Trial]) -> int:
+    results.add_sweep(con, sid, lab.sweep.name, preset, asdict(lab))
+    done = results.finished_run_ids(con)
     todo = [t for t in trials if t.run_id not in done]
     by_id = {t.run_id: t for t in trials}
     print(f"sweep {sid}: {len(trials)} runs planned, {len(trials) - len(todo)} already in {db}, {len(todo)} to run")
@@ -111,11 +115,7 @@ def run_isoflop(lab: LabConfig, conf_dir: Path, db: Path, preset: str, dry_run: 
             flush=True,
         )
         res = fit(RunConfig(model=t.model, data=lab.data, train=lab.train, steps=t.steps))
-        con = results.connect(db)
-        try:
-            results.add_run(con, run_row(sid, t, lab, res), res.curve)
-        finally:
-            con.close()
+        results.add_run(con, run_row(sid, t, lab, res), res.curve)
         print(f"    val_loss={res.val_loss:.4f} ({res.wall_s:.1f}s, {res.tokens_per_s:,.0f} tok/s)", flush=True)
         return res.val_loss
 
@@ -127,7 +127,7 @@ def run_isoflop(lab: LabConfig, conf_dir: Path, db: Path, preset: str, dry_run: 
     from analysis.pipeline import run_all
 
     out_dir = db.parent / f"{db.stem}_report" / sid
-    paths = run_all(db, sid, out_dir, n_boot=lab.sweep.bootstrap)
+    paths = run_all(con, sid, out_dir, n_boot=lab.sweep.bootstrap)
     print(f"results: {db}")
     for name, p in paths.items():
         print(f"{name}: {p}")

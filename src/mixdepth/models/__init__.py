@@ -1,7 +1,9 @@
 """Model families. Adding one: its family file, one line in MODELS, conf/model/<arch>.yaml, its tests."""
 
 from mixdepth.models.dense import DenseConfig, DenseLM
+from mixdepth.models.moda import MoDAConfig, MoDALM
 
 MODELS: dict[str, tuple[type, type]] = {
     "dense": (DenseConfig, DenseLM),
+    "moda": (MoDAConfig, MoDALM),
 }

@@ -33,9 +33,16 @@ def digest(obj: Any, n: int = 12) -> str:
     return hashlib.sha1(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:n]
 
 
+def identity(lab: LabConfig) -> dict:
+    """The config that defines results: everything but display settings (the progress bar)."""
+    d = asdict(lab)
+    d["train"].pop("progress")
+    return d
+
+
 def sweep_id(lab: LabConfig, preset: str) -> str:
     """Deterministic id: the same preset and overrides resume the same sweep."""
-    return f"{lab.sweep.name}-{digest([preset, asdict(lab)], 8)}"
+    return f"{lab.sweep.name}-{digest([preset, identity(lab)], 8)}"
 
 
 def plan(lab: LabConfig, conf_dir: Path, sid: str) -> tuple[list[Trial], list[str]]:
@@ -43,6 +50,7 @@ def plan(lab: LabConfig, conf_dir: Path, sid: str) -> tuple[list[Trial], list[st
     s, t = lab.sweep, lab.train
     tokens_per_step = t.batch_size * lab.data.seq_len
     trials, notes = [], []
+    ident = identity(lab)
     for arch in s.archs:
         models = [(shape, model_config(lab, arch, shape, conf_dir)) for shape in s.ladder]
         for budget in s.budgets:
@@ -57,7 +65,7 @@ def plan(lab: LabConfig, conf_dir: Path, sid: str) -> tuple[list[Trial], list[st
                     )
                     continue
                 kept += 1
-                rid = digest([sid, arch, budget, asdict(m), asdict(lab.data), asdict(t), steps])
+                rid = digest([sid, arch, budget, asdict(m), ident["data"], ident["train"], steps])
                 trials.append(Trial(rid, arch, budget, shape, m, m.n_params(), fpt, steps * tokens_per_step, steps))
             if not kept:
                 need = min(3 * m.flops_per_token() for _, m in models) * s.min_steps * tokens_per_step

@@ -75,3 +75,18 @@ def test_rerun_skips_finished_runs(swept):
     assert "6 already in" in second.stdout and "0 to run" in second.stdout
     con = duckdb.connect(str(d / "r.db"), read_only=True)
     assert con.execute("SELECT count(*) FROM runs").fetchone()[0] == 6
+
+
+def test_display_settings_do_not_change_the_sweep():
+    from pathlib import Path
+
+    from mixdepth.config import load_config
+    from sweeps.plan import plan, sweep_id
+
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    a, b = load_config(conf, "isoflop", ["train.progress=true"]), load_config(conf, "isoflop", ["train.progress=false"])
+    assert sweep_id(a, "isoflop") == sweep_id(b, "isoflop")
+    c = load_config(conf, "isoflop", ["train.lr=1e-3"])
+    assert sweep_id(c, "isoflop") != sweep_id(a, "isoflop")
+    ids = [t.run_id for t in plan(a, conf, sweep_id(a, "isoflop"))[0]]
+    assert len(set(ids)) == len(ids)

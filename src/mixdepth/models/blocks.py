@@ -59,6 +59,51 @@ def naive_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
     return probs @ v
 
 
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GQA attention with an explicit boolean mask (fp32 softmax): decoding over ragged KV caches.
+
+    q: [B, Hq, Tq, hd]; k, v: [B, Hk, Tk, hd]; mask: [B, Tq, Tk] True where a key is visible -> [B, Hq, Tq, hd].
+    A query row with no visible key reads key 0 instead of producing NaN; callers discard such rows.
+    """
+    G = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+    mask = mask | ~mask.any(-1, keepdim=True)  # empty rows: finite garbage, never NaN
+    scores = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5  # [B, Hq, Tq, Tk]
+    probs = scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1).to(v.dtype)
+    return probs @ v
+
+
+class KVCache:
+    """One layer's KV cache with a length per sequence (a routed layer holds a different count per sequence).
+
+    Rows ``[0, len[b])`` of sequence b are the keys/values of the tokens this layer processed, in position
+    order, RoPE already applied at their true positions.
+    """
+
+    def __init__(self, batch: int, n_kv_heads: int, max_len: int, head_dim: int, device, dtype):
+        self.k = torch.zeros(batch, n_kv_heads, max_len, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+        self.len = torch.zeros(batch, dtype=torch.long, device=device)  # [B]
+
+    def write_prefix(self, k: torch.Tensor, v: torch.Tensor, n: torch.Tensor) -> None:
+        """k, v: [B, Hk, L, hd] of which the first n[b] rows are real (prefill); n: [B]."""
+        L = k.shape[2]
+        self.k[:, :, :L], self.v[:, :, :L] = k, v
+        self.len = n.to(torch.long).clone()
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, take: torch.Tensor | None) -> None:
+        """k, v: [B, Hk, 1, hd]; take: [B] bool (None = all), the sequences whose token this layer processes."""
+        b = torch.arange(k.shape[0], device=k.device) if take is None else take.nonzero().squeeze(1)  # [b']
+        slot = self.len[b]  # [b'] next free row per sequence
+        self.k[b, :, slot], self.v[b, :, slot] = k[b, :, 0], v[b, :, 0]
+        self.len = self.len + (1 if take is None else take.long())
+
+    def visible(self) -> torch.Tensor:
+        """[B, 1, Lc] key mask over the filled prefix (Lc = longest length)."""
+        Lc = int(self.len.max())
+        return (torch.arange(Lc, device=self.len.device)[None] < self.len[:, None])[:, None]
+
+
 class Attention(nn.Module):
     """Causal grouped-query attention; query head h reads KV head h // (n_heads // n_kv_heads).
 
@@ -97,6 +142,29 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_heads != self.n_kv_heads)
         return self.wo(y.transpose(1, 2).reshape(B, T, D))
 
+    def forward_kv(self, x: torch.Tensor, rope: Rotary, pos: torch.Tensor | None = None):
+        """forward() that also returns the post-RoPE k, v [B, Hk, T, hd] (prefill of a KV cache)."""
+        B, T, D = x.shape
+        q, k, v = self.qkv(x, rope, pos)
+        if self.impl == "naive":
+            y = naive_causal_attention(q, k, v)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_heads != self.n_kv_heads)
+        return self.wo(y.transpose(1, 2).reshape(B, T, D)), k, v
+
+    def decode(
+        self, x: torch.Tensor, rope: Rotary, pos: torch.Tensor, cache: KVCache, take: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """One new token per sequence. x: [B, 1, D]; pos: [B, 1] true positions; take: [B] bool, whose
+        token this layer processes (its k/v enter the cache); rows not taken return garbage -> [B, 1, D]."""
+        B, _, D = x.shape
+        q, k, v = self.qkv(x, rope, pos)
+        cache.append(k, v, take)
+        mask = cache.visible()  # [B, 1, Lc]
+        Lc = mask.shape[-1]
+        y = masked_attention(q, cache.k[:, :, :Lc], cache.v[:, :, :Lc], mask)  # [B, Hq, 1, hd]
+        return self.wo(y.transpose(1, 2).reshape(B, 1, D))
+
 
 class SwiGLU(nn.Module):
     def __init__(self, d_model: int, d_ff: int):
@@ -127,4 +195,25 @@ class Block(nn.Module):
             x = x + self.attn(self.norm1(x), rope, pos)
             return x + self.mlp(self.norm2(x))
         x = self.norm1(x + self.attn(x, rope, pos))
+        return self.norm2(x + self.mlp(x))
+
+    def delta_with(self, x: torch.Tensor, attn_fn) -> torch.Tensor:
+        """The block's update WITHOUT the residual, f = block(x) - x, with attention supplied by ``attn_fn``
+        (cached decode, KV capture, gathered tokens). x: [B, T, D] -> f [B, T, D].
+
+        Pre-norm: f = a + mlp(N2(x + a)) with a = attn(N1(x)); f = 0 exactly when both branches output 0.
+        Post-norm: f = N2(h + mlp(h)) - x with h = N1(x + attn(x)), i.e. x + f is the post-norm block.
+        """
+        if self.pre:
+            a = attn_fn(self.norm1(x))
+            return a + self.mlp(self.norm2(x + a))
+        h = self.norm1(x + attn_fn(x))
+        return self.norm2(h + self.mlp(h)) - x
+
+    def forward_with(self, x: torch.Tensor, attn_fn) -> torch.Tensor:
+        """forward() with attention supplied by ``attn_fn`` (KV-cache prefill or decode); same arithmetic."""
+        if self.pre:
+            x = x + attn_fn(self.norm1(x))
+            return x + self.mlp(self.norm2(x))
+        x = self.norm1(x + attn_fn(x))
         return self.norm2(x + self.mlp(x))

@@ -52,6 +52,7 @@ def _route_gather_scatter_adapter():
 BENCHES: dict[str, BenchEntry | Callable[[], object]] = {
     "moda_attn": BenchEntry("kernels.moda_attn.bench", "MoDA attention fwd+bwd vs SDPA flash/cuDNN, Flex"),
     "route_gather_scatter": _route_gather_scatter_adapter,
+    "grouped_mlp": BenchEntry("kernels.grouped_mlp.bench", "grouped expert SwiGLU fwd+bwd vs torch loop, dense"),
 }
 
 

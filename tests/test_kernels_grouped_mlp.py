@@ -169,3 +169,32 @@ def test_validation():
         grouped_swiglu(x, w1, w1, w2.transpose(1, 2), tok, exp, wt)
     with pytest.raises(TypeError, match="w1"):
         grouped_swiglu(x, w1.double(), w1, w2, tok, exp, wt)
+
+
+def test_partial_grads():
+    """Only the router weights and w2 need gradients: the other backward kernels are skipped, values match."""
+    n, d, f, n_exp = 9, 12, 20, 2
+    g = torch.Generator().manual_seed(8)
+    (w1, w3, w2), _ = _weights(n_exp, d, f, torch.float32, 8)
+    x = torch.randn(n, d, generator=g).to(DEVICE)
+    tok = torch.arange(n, device=DEVICE).repeat_interleave(2)
+    exp = torch.randint(0, n_exp, (2 * n,), generator=g).to(DEVICE)
+    wt = torch.rand(2 * n, generator=g).to(DEVICE)
+    grads = []
+    for fn in (grouped_swiglu_naive, grouped_swiglu):
+        w2l, wtl = w2.clone().requires_grad_(), wt.clone().requires_grad_()
+        fn(x, w1, w3, w2l, tok, exp, wtl).pow(2).sum().backward()
+        grads.append((w2l.grad, wtl.grad))
+    for name, a, b in zip(("dw2", "dweight"), *grads, strict=True):
+        assert_close(name, a, b, TOL[torch.float32])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU fallback only")
+def test_cpu_fallback_without_interpreter(monkeypatch):
+    monkeypatch.setattr(gk, "INTERPRET", False)
+    assert not gop._use_triton(torch.empty(1))
+    x = torch.randn(3, 4)
+    w1, w2 = torch.randn(2, 4, 5), torch.randn(2, 5, 4)
+    tok, exp, wt = torch.tensor([0, 2]), torch.tensor([1, 0]), torch.ones(2)
+    ref = grouped_swiglu_naive(x, w1, w1, w2, tok, exp, wt)
+    assert torch.equal(grouped_swiglu(x, w1, w1, w2, tok, exp, wt), ref)

@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.route_gather_scatter.kernel import build_segments
+
 __all__ = ["INTERPRET", "POISON_EMPTY", "GmmConfig", "Routing", "build_routing", "gmm", "wgrad"]
 
 # Tests set this (or MIXDEPTH_POISON_EMPTY=1) so outputs start as NaN and unwritten elements fail.
@@ -256,8 +258,6 @@ def build_routing(
     The grid has the static size ``T = cdiv(M, block_m) + min(E, M)`` >= ``sum_e cdiv(M_e, block_m)``, so no
     group size has to reach the host; tiles past the real count get expert -1 and exit at once.
     """
-    from kernels.route_gather_scatter.kernel import build_segments
-
     dev = token_idx.device
     m = token_idx.shape[0]
     valid = (expert_idx >= 0) & (expert_idx < n_exp)

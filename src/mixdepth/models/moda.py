@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.moda_attn import moda_attn, moda_attn_naive
 from mixdepth.models.blocks import Attention, RMSNorm, Rotary, SwiGLU
 from mixdepth.models.dense import DenseConfig, DenseLM, ModelConfigError
 
@@ -172,6 +171,10 @@ def joint_attention(q, k, v, kd, vd, impl: str) -> torch.Tensor:
     q: [B, Hq, T, hd]; k, v: [B, Hk, T, hd]; kd, vd: [B, Hk, T, S, hd] or None -> [B, Hq, T, hd].
     The Triton kernel on CUDA (head dims it supports), the fp32 reference otherwise (CPU, FLOP counting).
     """
+    # imported here, not at module import: Triton fixes interpret mode when kernel.py is imported, and
+    # importing mixdepth.models must not do that before a CPU test sets TRITON_INTERPRET=1
+    from kernels.moda_attn import moda_attn, moda_attn_naive
+
     if _kernel_ok(q, impl):
         return moda_attn(q, k, v, kd, vd)
     return moda_attn_naive(q, k, v, kd, vd)

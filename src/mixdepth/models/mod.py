@@ -43,7 +43,7 @@ MODES = ("topk", "causal")
 class MoDConfig(DenseConfig):
     arch: str = "mod"
     capacity: float = 0.125  # c: share of each sequence a routed block processes, k = max(1, round(c·T))
-    route_every: int = 2  # layer l is routed when l % route_every == route_offset
+    route_every: int = 2  # layer l is routed when l % route_every == route_offset % route_every
     route_offset: int = 1  # 1: layers 1, 3, ... routed, the first block always full
     gate: str = "identity"  # g in x + g(r)·f: identity (paper Eq. 1) | sigmoid
     routing: str = "learned"  # learned | random (Gaussian scores, same capacity: the paper's control)
@@ -57,9 +57,10 @@ class MoDConfig(DenseConfig):
             object.__setattr__(self, "predictor_hidden", max(1, self.d_model // 4))
         if not 0 < self.capacity <= 1:
             raise ModelConfigError(f"model.capacity must be in (0, 1], got {self.capacity}")
-        if self.route_every < 1 or not 0 <= self.route_offset < self.route_every:
+        if self.route_every < 1 or self.route_offset < 0:
             raise ModelConfigError(
-                f"model.route_every={self.route_every} must be >= 1 and 0 <= route_offset={self.route_offset} < it"
+                f"model.route_every must be >= 1 and model.route_offset >= 0, got {self.route_every}"
+                f" and {self.route_offset}"
             )
         for key, allowed in (("gate", ("identity", "sigmoid")), ("routing", ("learned", "random"))):
             if getattr(self, key) not in allowed:
@@ -70,7 +71,8 @@ class MoDConfig(DenseConfig):
             raise ModelConfigError("model.aux_weight and model.predictor_hidden must be >= 0")
 
     def is_routed(self, layer: int) -> bool:
-        return layer % self.route_every == self.route_offset
+        # offset taken modulo route_every, so model.route_every=1 routes every layer without touching the offset
+        return layer % self.route_every == self.route_offset % self.route_every
 
     @property
     def n_routed(self) -> int:

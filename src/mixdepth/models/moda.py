@@ -139,6 +139,7 @@ class DepthStore:
         self.src_v: list[torch.Tensor | None] = [None] * n_slots
         self.allocations = 0
 
+    @torch.compiler.disable  # aliasing storage is opaque to aot_autograd: run store ops eagerly, graph-break
     def write(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [B, Hk, T, hd] into slot i."""
         if self.k is None:
@@ -151,6 +152,7 @@ class DepthStore:
             self.v[:, :, :, i].copy_(v)
         self.src_k[i], self.src_v[i] = k, v
 
+    @torch.compiler.disable
     def read(self, lo: int, hi: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Slots [lo, hi) as ``[B, Hk, T, hi-lo, hd]`` views of the buffers, or (None, None) when empty."""
         if hi <= lo:

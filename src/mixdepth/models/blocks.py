@@ -95,7 +95,8 @@ class KVCache:
         """k, v: [B, Hk, 1, hd]; take: [B] bool (None = all), the sequences whose token this layer processes."""
         b = torch.arange(k.shape[0], device=k.device) if take is None else take.nonzero().squeeze(1)  # [b']
         slot = self.len[b]  # [b'] next free row per sequence
-        self.k[b, :, slot], self.v[b, :, slot] = k[b, :, 0], v[b, :, 0]
+        # cast: under autocast k/v arrive in bf16 while the cache keeps the parameter dtype
+        self.k[b, :, slot], self.v[b, :, slot] = k[b, :, 0].to(self.k.dtype), v[b, :, 0].to(self.v.dtype)
         self.len = self.len + (1 if take is None else take.long())
 
     def visible(self) -> torch.Tensor:

@@ -223,7 +223,7 @@ class DepthKV(nn.Module):
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if self.k_norm is not None:
             k = self.k_norm(k)
-        return rope(k, pos), v
+        return rope(k, pos).to(v.dtype), v  # the norm's fp32 weight can promote k under autocast
 
 
 class MoDABlock(nn.Module):

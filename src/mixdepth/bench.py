@@ -3,6 +3,7 @@
 loop: the Lightning path every run takes (train.make_trainer + LitLM) against a plain PyTorch loop with the
       same model, data, optimizer, schedule and clipping, alternated in one process; prints the ratio.
 mfu:  tokens/s and MFU of a GPT-2-small-shaped dense model through train.fit (bf16, torch.compile).
+step: training-step time and peak memory of several archs at one shape (e.g. MoD vs dense), GPU.
 """
 
 from __future__ import annotations
@@ -108,6 +109,79 @@ def bench_mfu(args) -> None:
     print(f"tokens/s {res.tokens_per_s:,.0f}  {mfu} (window of the last {min(100, args.steps // 2)} steps)")
 
 
+def bench_step(args) -> None:
+    """Training-step time and peak memory of several archs at one shape, side by side (GPU, bf16)."""
+    from mixdepth.models import MODELS
+
+    dev = torch.device("cuda")
+    T, d = args.seq_len, args.d_model
+    rows = []
+    for arch in args.archs.split(","):
+        extra = dict(kv.split("=") for kv in args.set if kv.startswith(f"{arch}."))
+        extra = {k.split(".", 1)[1]: type(getattr(MODELS[arch][0], k.split(".", 1)[1]))(v) for k, v in extra.items()}
+        cfg = MODELS[arch][0](
+            arch=arch,
+            d_model=d,
+            n_layers=args.n_layers,
+            n_heads=d // 64,
+            n_kv_heads=d // 64,
+            seq_len=T,
+            vocab_size=50304,
+            tie_embeddings=True,
+            **extra,
+        )
+        torch.manual_seed(0)
+        model = MODELS[arch][1](cfg).to(dev)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        x = torch.randint(0, 50304, (args.batch_size, T + 1), device=dev)
+
+        def step(model=model, opt=opt, x=x):
+            with torch.autocast("cuda", torch.bfloat16):
+                loss = model.loss(x[:, :-1], x[:, 1:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(args.steps):
+            t0 = torch.cuda.Event(enable_timing=True)
+            t1 = torch.cuda.Event(enable_timing=True)
+            t0.record()
+            step()
+            t1.record()
+            torch.cuda.synchronize()
+            times.append(t0.elapsed_time(t1))
+        n = cfg.n_params()
+        rows.append(
+            (
+                arch,
+                n["total"],
+                cfg.flops_per_token(),
+                statistics.median(times),
+                torch.cuda.max_memory_allocated() / 2**30,
+                extra,
+            )
+        )
+        del model, opt
+        torch.cuda.empty_cache()
+    base = rows[0]
+    print(
+        f"d_model {d}, {args.n_layers} layers, T {T}, batch {args.batch_size}, bf16 autocast, fused AdamW, "
+        f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+    )
+    print("| arch | options | params | fwd FLOPs/token | step ms (median) | vs first | FLOP ratio | peak GiB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for arch, p, f, ms, mem, extra in rows:
+        print(
+            f"| {arch} | {extra or ''} | {p / 1e6:.1f}M | {f:.4g} | {ms:.2f} | {base[3] / ms:.3f}x faster |"
+            f" {base[2] / f:.3f}x | {mem:.1f} |"
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m mixdepth.bench")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -124,8 +198,16 @@ def main() -> None:
     mp.add_argument("--n-layers", type=int, default=12)
     mp.add_argument("--seq-len", type=int, default=1024)
     mp.add_argument("--tokens", type=int, default=64_000_000, help="synthetic .bin corpus size")
+    sp = sub.add_parser("step", help="training-step time and peak memory of archs at one shape (GPU)")
+    sp.add_argument("--archs", default="dense,mod")
+    sp.add_argument("--d-model", type=int, default=1024)
+    sp.add_argument("--n-layers", type=int, default=12)
+    sp.add_argument("--seq-len", type=int, default=2048)
+    sp.add_argument("--batch-size", type=int, default=8)
+    sp.add_argument("--steps", type=int, default=20)
+    sp.add_argument("--set", nargs="*", default=[], help="arch.key=value model options, e.g. mod.capacity=0.125")
     args = p.parse_args()
-    {"loop": bench_loop, "mfu": bench_mfu}[args.cmd](args)
+    {"loop": bench_loop, "mfu": bench_mfu, "step": bench_step}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,11 @@ assignments per MoE-input token:
 - token choice: a = top_k·E/E_tot, the balanced routing the load-balancing loss (over real AND no-op experts)
   drives to. Staged has E_tot = E, so a = top_k exactly. Integrated token choice is data-dependent: this is a
   planning count; ``eval_summary`` reports ``realised_flops_per_token`` from the actual assignments.
+
+Causality: expert choice picks tokens per sequence, so it reads later tokens (as MoD's top-k does). MoD's causal
+mode replaces only the MoD router; an expert-choice MoE stays non-causal there (``val_loss_causal`` of an
+expert-choice model is not a causal loss; in staged causal mode padding rows of the compacted list also compete
+for expert capacity, and a decode step gives every expert its single token). Token choice is causal throughout.
 """
 
 from __future__ import annotations

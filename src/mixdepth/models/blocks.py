@@ -218,3 +218,14 @@ class Block(nn.Module):
             return x + self.mlp(self.norm2(x))
         x = self.norm1(x + attn_fn(x))
         return self.norm2(x + self.mlp(x))
+
+
+def sample(logits: torch.Tensor, temperature: float, top_k: int | None, generator=None) -> torch.Tensor:
+    """Next tokens for generation: logits [B, V] -> ids [B, 1]; temperature <= 0 is greedy, top_k filters."""
+    if temperature <= 0:
+        return logits.argmax(-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # [B, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator)

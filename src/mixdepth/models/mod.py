@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.route_gather_scatter.op import route_gather, route_scatter_add
-from mixdepth.models.blocks import Block, KVCache, Rotary
+from mixdepth.models.blocks import Block, KVCache, Rotary, sample
 from mixdepth.models.dense import DenseConfig, DenseLM, ModelConfigError
 from mixdepth.models.routing import (
     CausalPredictor,
@@ -331,14 +331,3 @@ class MoDLM(DenseLM):
             if i + 1 < max_new_tokens:
                 logits = self.decode_step(nxt, T0 + i, caches)
         return torch.cat(out, dim=1)
-
-
-def sample(logits: torch.Tensor, temperature: float, top_k: int | None, generator=None) -> torch.Tensor:
-    """logits [B, V] -> token ids [B, 1]."""
-    if temperature <= 0:
-        return logits.argmax(-1, keepdim=True)
-    logits = logits.float() / temperature
-    if top_k is not None:
-        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # [B, 1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator)

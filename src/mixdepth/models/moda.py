@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixdepth.models.blocks import Attention, RMSNorm, Rotary, SwiGLU
+from mixdepth.models.blocks import Attention, RMSNorm, Rotary, SwiGLU, sample
 from mixdepth.models.dense import DenseConfig, DenseLM, ModelConfigError
 
 DEPTH_KV = ("attn", "attn+ffn", "attn+ffn+extra")
@@ -325,14 +325,7 @@ class MoDALM(DenseLM):
         logits = self.step(idx, cache, 0)[:, -1]  # [B, V]
         out = [idx]
         for i in range(max_new_tokens):
-            if temperature <= 0:
-                nxt = logits.argmax(-1, keepdim=True)
-            else:
-                logits = logits.float() / temperature
-                if top_k is not None:
-                    kth = logits.topk(min(top_k, logits.shape[-1]), -1).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                nxt = torch.multinomial(logits.softmax(-1), 1, generator=generator)  # [B, 1]
+            nxt = sample(logits, temperature, top_k, generator)  # [B, 1]
             out.append(nxt)
             if i + 1 < max_new_tokens:
                 logits = self.step(nxt, cache, T0 + i)[:, -1]

@@ -1,4 +1,4 @@
-"""``python -m sweeps isoflop [--preset NAME] [--db PATH] [--dry-run] [key=value ...]``."""
+"""``python -m sweeps isoflop [--preset NAME] [--db PATH] [--dry-run] [key=value ...]`` and ``status [--db PATH]``."""
 
 from __future__ import annotations
 
@@ -18,11 +18,24 @@ def main(argv: list[str] | None = None) -> int:
     iso.add_argument("--db", type=Path, default=Path("results.db"), help="DuckDB file (default: results.db)")
     iso.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     iso.add_argument("--conf", type=Path, default=CONF_DIR, help="config folder (default: the package's conf/)")
+    st = sub.add_parser("status", help="list the sweeps of a database: planned, finished, failed")
+    st.add_argument("--db", type=Path, default=Path("results.db"), help="DuckDB file (default: results.db)")
     args = p.parse_args(argv)
+
+    from mixdepth.results import StoreError
+
+    if args.cmd == "status":  # torch-free: reads the store and the Optuna journal only
+        from sweeps.status import status_table
+
+        try:
+            print(status_table(args.db.expanduser().absolute()))
+            return 0
+        except StoreError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
 
     from mixdepth.config import ConfigError
     from mixdepth.data import DataError
-    from mixdepth.results import StoreError
 
     try:
         from mixdepth.config import load_config

@@ -90,3 +90,14 @@ def test_display_settings_do_not_change_the_sweep():
     assert sweep_id(c, "isoflop") != sweep_id(a, "isoflop")
     ids = [t.run_id for t in plan(a, conf, sweep_id(a, "isoflop"))[0]]
     assert len(set(ids)) == len(ids)
+
+
+def test_status_lists_the_sweep(swept, cli):
+    d, _, _ = swept
+    r = cli("sweeps", "status", "--db", str(d / "r.db"))
+    assert r.returncode == 0, r.stderr
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("tiny-"))
+    planned, ok, diverged, failed = line.split()[4:8]  # after sweep, preset, date, time
+    assert (planned, ok, diverged, failed) == ("6", "6", "0", "0")
+    missing = cli("sweeps", "status", "--db", str(d / "nope.db"))
+    assert missing.returncode == 1 and "does not exist" in missing.stderr

@@ -1,0 +1,57 @@
+"""``python -m sweeps status``: each sweep in a database with planned, finished and failed runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mixdepth import results
+
+
+def _queue_counts(db: Path) -> dict[str, tuple[int, int]]:
+    """sweep_id -> (planned runs, failed attempts) from the Optuna journal beside the database."""
+    journal = Path(str(db) + ".optuna.log")
+    if not journal.exists():
+        return {}
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(journal)))
+    out = {}
+    for summary in optuna.get_all_study_summaries(storage, include_best_trial=False):
+        study = optuna.load_study(study_name=summary.study_name, storage=storage)
+        failed = len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.FAIL,)))
+        out[summary.study_name] = (len(study.user_attrs.get("run_ids", [])), failed)
+    return out
+
+
+def status_table(db: Path) -> str:
+    """A fixed-width table of the database's sweeps."""
+    con = results.connect(db, read_only=True)
+    try:
+        rows = con.execute(
+            "SELECT s.sweep_id, s.preset, strftime(s.created_at, '%Y-%m-%d %H:%M'),"
+            " count(r.run_id) FILTER (WHERE r.status = 'ok'), count(r.run_id) FILTER (WHERE r.status = 'diverged'),"
+            " min(r.val_loss) FROM sweeps s LEFT JOIN runs r USING (sweep_id) GROUP BY ALL ORDER BY 3"
+        ).fetchall()
+    finally:
+        con.close()
+    queue = _queue_counts(db)
+    head = ("sweep", "preset", "created", "planned", "ok", "diverged", "failed attempts", "best val_loss")
+    body = []
+    for sid, preset, created, ok, diverged, best in rows:
+        planned, failed = queue.get(sid, (None, None))
+        body.append(
+            (
+                sid,
+                preset,
+                created,
+                "?" if planned is None else str(planned),
+                str(ok),
+                str(diverged),
+                "?" if failed is None else str(failed),
+                "-" if best is None else f"{best:.4f}",
+            )
+        )
+    widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join([fmt.format(*head)] + [fmt.format(*r) for r in body]) if body else "no sweeps in " + str(db)

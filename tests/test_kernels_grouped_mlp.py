@@ -14,6 +14,7 @@ from kernels.grouped_mlp import grouped_swiglu, grouped_swiglu_naive  # noqa: E4
 from kernels.grouped_mlp import kernel as gk  # noqa: E402
 from kernels.grouped_mlp import op as gop  # noqa: E402
 from kernels.route_gather_scatter import kernel as rk  # noqa: E402
+from kernels.testing import assert_close  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3}
@@ -26,17 +27,6 @@ def _poison_and_tiles(monkeypatch):
     monkeypatch.setattr(gk, "POISON_EMPTY", True)
     monkeypatch.setattr(rk, "POISON_EMPTY", True)
     monkeypatch.setattr(gk, "CONFIG", SMALL)
-
-
-def assert_close(name: str, ref: torch.Tensor, tri: torch.Tensor, ratio: float) -> None:
-    """FLA-style relative RMS error check; NaN anywhere (an unwritten poisoned element) fails."""
-    assert ref.shape == tri.shape and ref.dtype == tri.dtype, f"{name}: {ref.shape}/{ref.dtype} vs {tri.shape}"
-    assert not tri.isnan().any(), f"{name}: NaN in output (unwritten element?)"
-    if ref.numel() == 0:
-        return
-    diff = (ref.double() - tri.double()).pow(2).mean().sqrt()
-    base = ref.double().pow(2).mean().sqrt().clamp_min(1e-12)
-    assert diff / base <= ratio, f"{name}: rel err {float(diff / base):.3g} > {ratio}"
 
 
 def _weights(n_exp, d, f, dtype, seed=0):

@@ -18,6 +18,7 @@ from kernels.route_gather_scatter import (  # noqa: E402
     route_scatter_add,
     route_scatter_add_naive,
 )
+from kernels.testing import assert_close  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
@@ -28,17 +29,6 @@ BATCHED = [(1, 1, 1, 1), (2, 9, 37, 4), (3, 16, 64, 1), (2, 8, 33, 8), (2, 5, 10
 @pytest.fixture(autouse=True)
 def _poison(monkeypatch):
     monkeypatch.setattr(rk, "POISON_EMPTY", True)
-
-
-def assert_close(name: str, ref: torch.Tensor, tri: torch.Tensor, ratio: float) -> None:
-    """FLA-style relative RMS error check; NaN anywhere (an unwritten poisoned element) fails."""
-    assert ref.shape == tri.shape and ref.dtype == tri.dtype, f"{name}: {ref.shape}/{ref.dtype} vs {tri.shape}"
-    assert not tri.isnan().any(), f"{name}: NaN in output (unwritten element?)"
-    if ref.numel() == 0:
-        return
-    diff = (ref.double() - tri.double()).pow(2).mean().sqrt()
-    base = ref.double().pow(2).mean().sqrt().clamp_min(1e-12)
-    assert diff / base <= ratio, f"{name}: rel err {float(diff / base):.3g} > {ratio}"
 
 
 def _batched_idx(b: int, t: int, k: int, seed: int = 0) -> torch.Tensor:

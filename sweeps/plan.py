@@ -52,7 +52,15 @@ def plan(lab: LabConfig, conf_dir: Path, sid: str) -> tuple[list[Trial], list[st
     trials, notes = [], []
     ident = identity(lab)
     for arch in s.archs:
-        models = [(shape, model_config(lab, arch, shape, conf_dir)) for shape in s.ladder]
+        models = []
+        for shape in s.ladder:
+            m = model_config(lab, arch, shape, conf_dir)
+            if why := m.same_as_dense():
+                notes.append(f"{arch} d={shape.d_model} L={shape.n_layers}: {why}, the dense model; left out")
+            else:
+                models.append((shape, m))
+        if not models:
+            raise ConfigError(f"no sweep.ladder shape suits {arch}: {notes[-1]}")
         for budget in s.budgets:
             kept = 0
             for shape, m in models:

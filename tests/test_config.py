@@ -56,3 +56,27 @@ def test_unknown_preset():
 def test_budget_arithmetic_uses_three_times_forward():
     assert tokens_for_budget(1e6, 3e12) == pytest.approx(1e6)
     assert steps_for_budget(1e6, 3e12, 1000) == 1000
+
+
+def test_named_variants_layer_over_their_family():
+    lab = load_config(CONF, "isoflop", ["sweep.archs=[mode,mode_integrated,mod_random]", "model.n_experts=2"])
+    staged, integrated, rand = (model_config(lab, a, Shape(32, 2, 2), CONF) for a in lab.sweep.archs)
+    assert (staged.arch, staged.variant) == ("mode", "staged")
+    assert (integrated.arch, integrated.variant, integrated.n_experts) == ("mode", "integrated", 2)
+    assert (rand.arch, rand.routing, rand.capacity) == ("mod", "random", 0.125)
+    with pytest.raises(ConfigError, match="listed twice|twice"):
+        load_config(CONF, "isoflop", ["sweep.archs=[mod,mod]"])
+
+
+def test_shapes_where_a_family_is_the_dense_model_are_left_out():
+    from sweeps.plan import plan
+
+    lab = load_config(CONF, "isoflop", ["sweep.archs=[dense,mod,moda]"])
+    ladder = [Shape(16, 1, 2), Shape(32, 2, 2)]
+    lab = dataclasses.replace(lab, sweep=dataclasses.replace(lab.sweep, ladder=ladder, budgets=[1e11]))
+    trials, notes = plan(lab, CONF, "sid")
+    assert sorted((t.arch, t.shape.n_layers) for t in trials) == [("dense", 1), ("dense", 2), ("mod", 2), ("moda", 2)]
+    assert sum("the dense model; left out" in n for n in notes) == 2
+    lab = dataclasses.replace(lab, sweep=dataclasses.replace(lab.sweep, ladder=ladder[:1]))
+    with pytest.raises(ConfigError, match="no sweep.ladder shape suits mod"):
+        plan(lab, CONF, "sid")

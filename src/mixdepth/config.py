@@ -3,6 +3,8 @@
 Layers, last wins: conf/base.yaml, conf/sweep/<preset>.yaml, command-line overrides. The ``model`` section
 holds keys of the family configs (models/<arch>.py); each arch in ``sweep.archs`` gets its own family
 defaults (conf/model/<arch>.yaml) with the shared ``model`` keys that it knows, then the ladder shape.
+An arch name may also be a named variant: conf/model/<name>.yaml with ``family: <arch>`` layers its keys over
+that family's YAML (e.g. mode_integrated, mod_random), so one sweep can hold several variants of a family.
 Unknown keys and wrong types raise ConfigError with one line naming the key.
 """
 
@@ -116,9 +118,9 @@ def load_config(conf_dir: Path, preset: str = "isoflop", overrides: list[str] = 
 
 def _validate(lab: LabConfig, conf_dir: Path) -> None:
     s = lab.sweep
-    for arch in s.archs:
-        if arch not in MODELS:
-            raise ConfigError(f"unknown arch {arch!r} in sweep.archs; known: {', '.join(MODELS)}")
+    families = [family_of(arch, conf_dir)[0] for arch in s.archs]
+    if len(set(s.archs)) != len(s.archs):
+        raise ConfigError(f"sweep.archs lists an arch twice: {list(s.archs)}")
     if not s.budgets:
         raise ConfigError("sweep.budgets is empty")
     for c in s.budgets:
@@ -131,7 +133,7 @@ def _validate(lab: LabConfig, conf_dir: Path) -> None:
             raise ConfigError(f"train.{key} must be positive, got {getattr(lab.train, key)}")
     if not lab.train.lr > 0:
         raise ConfigError(f"train.lr must be positive, got {lab.train.lr}")
-    known = {f.name for arch in s.archs for f in dataclasses.fields(MODELS[arch][0])}
+    known = {f.name for fam in families for f in dataclasses.fields(MODELS[fam][0])}
     for key in lab.model:
         if key not in known:
             raise ConfigError(f"unknown config key 'model.{key}' for archs {', '.join(s.archs)}")
@@ -151,17 +153,29 @@ def vocab_size(data: DataConfig) -> int:
     return 256
 
 
+def family_of(arch: str, conf_dir: Path) -> tuple[str, list]:
+    """The model family of a ``sweep.archs`` entry and its YAML layers (family file, then the variant's)."""
+    path = conf_dir / "model" / f"{arch}.yaml"
+    spec = _yaml(path) if path.exists() else OmegaConf.create()
+    family = spec.pop("family", arch)
+    if family not in MODELS:
+        known = sorted({*MODELS, *(p.stem for p in (conf_dir / "model").glob("*.yaml"))})
+        raise ConfigError(f"unknown arch {arch!r} in sweep.archs; known: {', '.join(known)}")
+    if family == arch:
+        return family, [spec]
+    base = conf_dir / "model" / f"{family}.yaml"
+    return family, [_yaml(base) if base.exists() else OmegaConf.create(), spec]
+
+
 def model_config(lab: LabConfig, arch: str, shape: Shape, conf_dir: Path):
-    """The family config of ``arch`` at ``shape``: family YAML, then shared model keys, then the shape."""
-    cls = MODELS[arch][0]
+    """The family config of ``arch`` at ``shape``: family YAML (and variant YAML), shared model keys, shape."""
+    family, yamls = family_of(arch, conf_dir)
+    cls = MODELS[family][0]
     names = {f.name for f in dataclasses.fields(cls)}
-    family = conf_dir / "model" / f"{arch}.yaml"
-    layers = [OmegaConf.structured(cls)]
-    if family.exists():
-        layers.append(_yaml(family))
+    layers = [OmegaConf.structured(cls), *yamls]
     layers.append(OmegaConf.create({k: v for k, v in lab.model.items() if k in names}))
     fixed = {
-        "arch": arch,
+        "arch": family,
         "d_model": shape.d_model,
         "n_layers": shape.n_layers,
         "n_heads": shape.n_heads,

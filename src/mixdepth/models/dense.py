@@ -58,6 +58,10 @@ class DenseConfig:
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
+    def same_as_dense(self) -> str | None:
+        """Why this config computes exactly the dense model (the sweep leaves such grid points out), or None."""
+        return None
+
     # ---- parameters -------------------------------------------------------------------------------
     def block_params(self) -> int:
         d, hd = self.d_model, self.head_dim

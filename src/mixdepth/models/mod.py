@@ -78,6 +78,11 @@ class MoDConfig(DenseConfig):
     def n_routed(self) -> int:
         return sum(self.is_routed(i) for i in range(self.n_layers))
 
+    def same_as_dense(self) -> str | None:
+        if self.n_routed == 0:
+            return f"no routed layer (route_every={self.route_every}, route_offset={self.route_offset})"
+        return None
+
     @property
     def k(self) -> int:
         """Tokens per sequence a routed block processes at seq_len."""

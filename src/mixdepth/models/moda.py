@@ -70,6 +70,9 @@ class MoDAConfig(DenseConfig):
         """Depth buffer size: every slot written before the last layer's attention."""
         return self.depth_range(self.n_layers - 1)[1]
 
+    def same_as_dense(self) -> str | None:
+        return "no layer reads a depth slot" if self.n_slots == 0 else None
+
     def n_depth_proj(self) -> int:
         """Number of (extra or FFN) depth K/V projections actually built."""
         kinds = [k for k in self.slot_kinds if k != "attn"]

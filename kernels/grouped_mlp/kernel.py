@@ -66,6 +66,11 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return out
 
 
+def _stages(cfg: GmmConfig, dtype: torch.dtype) -> int:
+    # fp32 tiles are twice the bytes: 3 stages of the dual-B tiles (96 KiB each) overflow Hopper's 227 KiB smem
+    return cfg.num_stages if dtype.itemsize <= 2 else min(cfg.num_stages, 2)
+
+
 def _dot_prec(dtype: torch.dtype) -> str:
     # fp32 inputs: exact fp32 products (the reference path); 16-bit inputs use the tensor cores anyway
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -352,7 +357,7 @@ def gmm(
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        num_stages=_stages(cfg, a.dtype),
     )
     return outs
 
@@ -415,6 +420,6 @@ def wgrad(
         BLOCK_Q=cfg.wgrad_q,
         BLOCK_K=cfg.wgrad_k,
         num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        num_stages=_stages(cfg, p.dtype),
     )
     return outs

@@ -105,8 +105,11 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, N, D = x.shape
         tok, e, w, lb, z = self.route(x)
-        dt = x.dtype  # under autocast x is bf16 while the parameters stay fp32: the kernel wants one dtype
-        out = grouped_swiglu(x.reshape(B * N, D), self.w1.to(dt), self.w3.to(dt), self.w2.to(dt), tok, e, w)
+        # the kernel wants one dtype: autocast's (as nn.Linear would use), else the input's
+        dev = x.device.type
+        dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        xs = x.reshape(B * N, D).to(dt)
+        out = grouped_swiglu(xs, self.w1.to(dt), self.w3.to(dt), self.w2.to(dt), tok, e, w).to(x.dtype)
         with torch.no_grad():
             real = (e >= 0).float()  # [M]
             load = torch.zeros(self.n_experts, device=x.device).index_add_(0, e.clamp(min=0), real)

@@ -109,6 +109,18 @@ def bench_mfu(args) -> None:
     print(f"tokens/s {res.tokens_per_s:,.0f}  {mfu} (window of the last {min(100, args.steps // 2)} steps)")
 
 
+def _profile(step, label: str, rows: int) -> None:
+    """The GPU kernels of three steps, heaviest first (self time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    print(f"--- profile: {label}, 3 steps ---")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=60))
+
+
 def bench_step(args) -> None:
     """Training-step time and peak memory of several archs at one shape, side by side (GPU, bf16)."""
     from mixdepth.models import MODELS
@@ -132,6 +144,8 @@ def bench_step(args) -> None:
         )
         torch.manual_seed(0)
         model = MODELS[arch][1](cfg).to(dev)
+        if args.compile:
+            model.compile()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         x = torch.randint(0, 50304, (args.batch_size, T + 1), device=dev)
 
@@ -155,6 +169,8 @@ def bench_step(args) -> None:
             t1.record()
             torch.cuda.synchronize()
             times.append(t0.elapsed_time(t1))
+        if args.profile:
+            _profile(step, arch, args.profile)
         n = cfg.n_params()
         rows.append(
             (
@@ -170,8 +186,8 @@ def bench_step(args) -> None:
         torch.cuda.empty_cache()
     base = rows[0]
     print(
-        f"d_model {d}, {args.n_layers} layers, T {T}, batch {args.batch_size}, bf16 autocast, fused AdamW, "
-        f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+        f"d_model {d}, {args.n_layers} layers, T {T}, batch {args.batch_size}, bf16 autocast, fused AdamW,"
+        f" compile {args.compile}, {torch.cuda.get_device_name(0)}, torch {torch.__version__}"
     )
     print("| arch | options | params | fwd FLOPs/token | step ms (median) | vs first | FLOP ratio | peak GiB |")
     print("|---|---|---|---|---|---|---|---|")
@@ -205,6 +221,8 @@ def main() -> None:
     sp.add_argument("--seq-len", type=int, default=2048)
     sp.add_argument("--batch-size", type=int, default=8)
     sp.add_argument("--steps", type=int, default=20)
+    sp.add_argument("--compile", action="store_true", help="torch.compile every model")
+    sp.add_argument("--profile", type=int, default=0, help="print the N heaviest GPU kernels per arch")
     sp.add_argument("--set", nargs="*", default=[], help="arch.key=value model options, e.g. mod.capacity=0.125")
     args = p.parse_args()
     {"loop": bench_loop, "mfu": bench_mfu, "step": bench_step}[args.cmd](args)

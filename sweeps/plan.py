@@ -34,9 +34,10 @@ def digest(obj: Any, n: int = 12) -> str:
 
 
 def identity(lab: LabConfig) -> dict:
-    """The config that defines results: everything but display settings (the progress bar)."""
+    """The config that defines results: everything but how runs are displayed and scheduled."""
     d = asdict(lab)
     d["train"].pop("progress")
+    d["sweep"].pop("workers", None)
     return d
 
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from kernels.grouped_mlp.naive import grouped_swiglu_naive
 from kernels.grouped_mlp.op import grouped_swiglu
 
-__all__ = ["add_args", "bench_grouped_mlp", "make_workloads", "run"]
+__all__ = ["add_args", "bench_grouped_mlp", "make_inputs", "make_workloads", "run"]
 
 
 def _torch_loop(x, w1, w3, w2, tok, exp, w):
@@ -40,15 +40,10 @@ def _torch_loop(x, w1, w3, w2, tok, exp, w):
     return out
 
 
-def make_workloads(
-    N: int, E: int, k: int, D: int, F_: int, dtype: torch.dtype, device: str | torch.device, seed: int = 0
-) -> tuple[dict[str, dict[str, Callable[[], object]]], list[torch.Tensor]]:
-    """Builds the timed closures.
-
-    Returns:
-        ``({provider: {"fwd": fn, "fwd+bwd": fn}}, leaves)``; ``leaves`` are passed as ``grad_to_none``.
-    """
-    g = torch.Generator(device="cpu").manual_seed(seed)
+def make_inputs(
+    N: int, E: int, k: int, D: int, F_: int, dtype: torch.dtype, device: str | torch.device, g: torch.Generator
+) -> tuple[torch.Tensor, ...]:
+    """The op's inputs and output gradient ``(x, w1, w3, w2, tok, exp, w, dy)``; x, w1, w3, w2, w are leaves."""
     x = torch.randn(N, D, generator=g).to(device, dtype).requires_grad_()
     w1 = (torch.randn(E, D, F_, generator=g) * D**-0.5).to(device, dtype).requires_grad_()
     w3 = (torch.randn(E, D, F_, generator=g) * D**-0.5).to(device, dtype).requires_grad_()
@@ -58,6 +53,19 @@ def make_workloads(
     exp = exp.reshape(-1).to(device)
     tok = torch.arange(N).repeat_interleave(k).to(device)
     dy = torch.randn(N, D, generator=g).to(device, dtype)
+    return x, w1, w3, w2, tok, exp, w, dy
+
+
+def make_workloads(
+    N: int, E: int, k: int, D: int, F_: int, dtype: torch.dtype, device: str | torch.device, seed: int = 0
+) -> tuple[dict[str, dict[str, Callable[[], object]]], list[torch.Tensor]]:
+    """Builds the timed closures.
+
+    Returns:
+        ``({provider: {"fwd": fn, "fwd+bwd": fn}}, leaves)``; ``leaves`` are passed as ``grad_to_none``.
+    """
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x, w1, w3, w2, tok, exp, w, dy = make_inputs(N, E, k, D, F_, dtype, device, g)
     m = N * k
     xd = torch.randn(m, D, generator=g).to(device, dtype).requires_grad_()  # dense peer: M rows, one expert
     dyd = torch.randn(m, D, generator=g).to(device, dtype)

@@ -26,7 +26,8 @@ indices outside ``[0, N)`` read as zero rows (memory safe); range checks live in
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 import triton
@@ -34,17 +35,24 @@ import triton.language as tl
 
 from kernels.route_gather_scatter.kernel import build_segments
 
-__all__ = ["INTERPRET", "POISON_EMPTY", "GmmConfig", "Routing", "build_routing", "gmm", "wgrad"]
+__all__ = ["INTERPRET", "POISON_EMPTY", "SITES", "GmmConfig", "Routing", "build_routing", "gmm", "wgrad"]
 
 # Tests set this (or MIXDEPTH_POISON_EMPTY=1) so outputs start as NaN and unwritten elements fail.
 POISON_EMPTY: bool = os.environ.get("MIXDEPTH_POISON_EMPTY", "") == "1"
 # Triton picks interpreter vs compiler when the @triton.jit decorators below run, i.e. at this import.
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "") == "1"
+# Launch sites of op.py: gmm epilogues 1 (x -> a, b, h), 0 (h -> y), 2 (dy -> da, db), 3 (da, db -> dx), then
+# wgrad modes 1 (dW2) and 0 (dW1, dW3).
+SITES: tuple[str, ...] = ("fwd_up", "fwd_down", "bwd_dh", "bwd_dx", "bwd_dw2", "bwd_dw13")
 
 
 @dataclass(frozen=True)
 class GmmConfig:
-    """Tile sizes (powers of two, >= 16 for ``tl.dot``). Untuned defaults for H200 bf16; not yet swept."""
+    """Tile sizes (powers of two, >= 16 for ``tl.dot``). Untuned defaults for H200 bf16; not yet swept.
+
+    ``sites`` overrides fields per launch site (``SITES``) for 16-bit inputs, e.g. ``{"bwd_dx": {"block_n":
+    256}}``; ``python -m kernels.grouped_mlp.tune`` prints a tuned table. fp32 inputs use the uniform fields.
+    """
 
     block_m: int = 128  # rows per tile of the row-grouped GEMMs (also the schedule granularity)
     block_n: int = 128
@@ -54,6 +62,22 @@ class GmmConfig:
     wgrad_k: int = 64  # sorted rows per reduction step
     num_warps: int = 8
     num_stages: int = 3
+    sites: Mapping[str, Mapping[str, int]] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        names = {f.name for f in fields(self)} - {"sites"}
+        for site, over in self.sites.items():
+            if site not in SITES or not set(over) <= names:
+                raise ValueError(f"bad override {site}: {dict(over)} (sites {SITES}, fields {sorted(names)})")
+
+    def at(self, site: str | None, dtype: torch.dtype) -> GmmConfig:
+        """The uniform tiles with the overrides of ``site`` (16-bit ``dtype`` only) applied."""
+        over = self.sites.get(site, {}) if site is not None and dtype.itemsize <= 2 else {}
+        return replace(self, sites={}, **over) if self.sites else self
+
+    def block_ms(self, dtype: torch.dtype) -> tuple[int, ...]:
+        """The distinct ``block_m`` of the gmm sites (each needs its own tile schedule)."""
+        return tuple(sorted({self.at(s, dtype).block_m for s in SITES[:4]}))
 
 
 CONFIG = GmmConfig()
@@ -240,9 +264,10 @@ class Routing:
         tok: ``[M]`` token of each sorted row; -1 for no-op rows (so the scatter skips them).
         w: ``[M]`` router weight of each sorted row.
         off: ``[E + 1]`` int64 row offsets; expert e owns sorted rows ``[off[e], off[e + 1])``.
-        tile_e: ``[T]`` int32 expert of each GEMM tile, -1 for surplus tiles.
+        tile_e: ``[T]`` int32 expert of each GEMM tile, -1 for surplus tiles (schedule of the first block_m).
         tile_r: ``[T]`` int64 first sorted row of each tile.
         seg_order, seg: CSR view of ``tok`` over tokens (``build_segments`` of route_gather_scatter).
+        tiles: ``{block_m: (tile_e, tile_r)}`` for every block_m built so far (see ``schedule``).
     """
 
     perm: torch.Tensor
@@ -253,16 +278,39 @@ class Routing:
     tile_r: torch.Tensor
     seg_order: torch.Tensor
     seg: torch.Tensor
+    tiles: dict[int, tuple[torch.Tensor, torch.Tensor]]
+
+    def schedule(self, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(tile_e, tile_r)`` for row tiles of ``block_m``, built on first use and cached."""
+        if block_m not in self.tiles:
+            self.tiles[block_m] = _schedule(self.off, self.tok.shape[0], block_m)
+        return self.tiles[block_m]
+
+
+def _schedule(off: torch.Tensor, m: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tile schedule of static size ``T = cdiv(M, block_m) + min(E, M)`` >= ``sum_e cdiv(M_e, block_m)``, so
+    no group size has to reach the host; tiles past the real count get expert -1 and exit at once."""
+    n_exp = off.shape[0] - 1
+    counts = off[1:] - off[:-1]  # [E]
+    tile_end = torch.cumsum((counts + block_m - 1) // block_m, 0)  # [E] inclusive
+    n_tiles = triton.cdiv(m, block_m) + min(n_exp, m)
+    t = torch.arange(n_tiles, device=off.device, dtype=tile_end.dtype)
+    te = torch.searchsorted(tile_end, t, right=True)  # [T] expert of each tile (E: surplus)
+    tec = te.clamp_max(n_exp - 1)
+    first_tile = tile_end.index_select(0, tec) - (counts.index_select(0, tec) + block_m - 1) // block_m
+    tile_r = off.index_select(0, tec) + (t - first_tile) * block_m
+    return torch.where(te < n_exp, te, -1).to(torch.int32), tile_r.contiguous()
 
 
 def build_routing(
-    token_idx: torch.Tensor, expert_idx: torch.Tensor, weight: torch.Tensor, n_tok: int, n_exp: int, block_m: int
+    token_idx: torch.Tensor,
+    expert_idx: torch.Tensor,
+    weight: torch.Tensor,
+    n_tok: int,
+    n_exp: int,
+    block_m: int | Iterable[int],
 ) -> Routing:
-    """Sorts assignments by expert and builds the per-expert offsets and the tile schedule.
-
-    The grid has the static size ``T = cdiv(M, block_m) + min(E, M)`` >= ``sum_e cdiv(M_e, block_m)``, so no
-    group size has to reach the host; tiles past the real count get expert -1 and exit at once.
-    """
+    """Sorts assignments by expert and builds the per-expert offsets and a tile schedule per ``block_m``."""
     dev = token_idx.device
     m = token_idx.shape[0]
     valid = (expert_idx >= 0) & (expert_idx < n_exp)
@@ -271,17 +319,11 @@ def build_routing(
     off = torch.searchsorted(sorted_key, torch.arange(n_exp + 1, device=dev, dtype=sorted_key.dtype))  # [E+1]
     tok = torch.where(valid, token_idx, -1).index_select(0, perm)  # [M]
     w = weight.index_select(0, perm)
-    counts = off[1:] - off[:-1]  # [E]
-    tile_end = torch.cumsum((counts + block_m - 1) // block_m, 0)  # [E] inclusive
-    n_tiles = triton.cdiv(m, block_m) + min(n_exp, m)
-    t = torch.arange(n_tiles, device=dev, dtype=tile_end.dtype)
-    te = torch.searchsorted(tile_end, t, right=True)  # [T] expert of each tile (E: surplus)
-    tec = te.clamp_max(n_exp - 1)
-    first_tile = tile_end.index_select(0, tec) - (counts.index_select(0, tec) + block_m - 1) // block_m
-    tile_r = off.index_select(0, tec) + (t - first_tile) * block_m
-    tile_e = torch.where(te < n_exp, te, -1).to(torch.int32)
+    off = off.contiguous()
+    bms = (block_m,) if isinstance(block_m, int) else tuple(block_m)
+    tiles = {bm: _schedule(off, m, bm) for bm in bms}
     order, seg = build_segments(tok, n_tok)
-    return Routing(perm, tok, w, off.contiguous(), tile_e, tile_r.contiguous(), order, seg)
+    return Routing(perm, tok, w, off, *tiles[bms[0]], order, seg, tiles)
 
 
 def gmm(
@@ -298,6 +340,7 @@ def gmm(
     e1: torch.Tensor | None = None,
     e2: torch.Tensor | None = None,
     cfg: GmmConfig | None = None,
+    site: str | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Row-grouped GEMM over sorted rows ``C[r] = A[r] @ B[e(r)]`` with epilogue ``epi`` (see module doc).
 
@@ -306,15 +349,16 @@ def gmm(
             3 ``A @ B + A2 @ B2``.
         a: ``[N, K]`` (``gather=True``: rows ``a[tok[r]]``) or ``[M, K]`` sorted rows; unit column stride.
         b: ``[E, K, out_cols]`` view (any strides; a transposed weight is a strided view). ``b2`` likewise.
-        rt: from ``build_routing`` (same ``block_m`` as ``cfg``).
+        rt: from ``build_routing`` (a schedule for another ``block_m`` is built and cached on first use).
         out_cols: columns of C.
         n_tok: N, the number of rows of ``a`` when gathering.
+        cfg, site: tiles ``(cfg or CONFIG).at(site, a.dtype)``.
 
     Returns:
         ``(c,)``, or ``(a_pre, b_pre, h)`` for epi 1, or ``(da, db)`` for epi 2; each ``[M, out_cols]`` in
         ``a.dtype`` with only the rows of real experts written.
     """
-    cfg = cfg or CONFIG
+    cfg = (cfg or CONFIG).at(site, a.dtype)
     m = rt.tok.shape[0]
     k = a.shape[1]
     n_out = {0: 1, 1: 3, 2: 2, 3: 1}[epi]
@@ -327,7 +371,8 @@ def gmm(
         assert b2.stride() == b.stride()
     if e1 is not None:
         assert e1.stride(0) == outs[0].stride(0) and e2.stride(0) == outs[0].stride(0)
-    grid = (rt.tile_e.shape[0], triton.cdiv(out_cols, cfg.block_n))
+    tile_e, tile_r = rt.schedule(cfg.block_m)
+    grid = (tile_e.shape[0], triton.cdiv(out_cols, cfg.block_n))
     _gmm_kernel[grid](
         a,
         rt.tok,
@@ -339,8 +384,8 @@ def gmm(
         outs[2] if n_out > 2 else outs[0],
         e1 if e1 is not None else outs[0],
         e2 if e2 is not None else outs[0],
-        rt.tile_e,
-        rt.tile_r,
+        tile_e,
+        tile_r,
         rt.off,
         n_tok,
         k,
@@ -374,6 +419,7 @@ def wgrad(
     e2: torch.Tensor | None = None,
     n_tok: int = 0,
     cfg: GmmConfig | None = None,
+    site: str | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Per-expert weight gradients, reduced over each expert's sorted rows.
 
@@ -384,11 +430,12 @@ def wgrad(
         rt: from ``build_routing``.
         n_exp: E.
         w_dtype: dtype of the weight gradients (fp32 accumulation, rounded once).
+        cfg, site: tiles ``(cfg or CONFIG).at(site, p.dtype)``.
 
     Returns:
         The weight gradients, every element written.
     """
-    cfg = cfg or CONFIG
+    cfg = (cfg or CONFIG).at(site, p.dtype)
     pdim, qdim = p.shape[1], q.shape[1]
     outs = tuple(_empty((n_exp, pdim, qdim), w_dtype, p.device) for _ in range(2 if mode == 0 else 1))
     if n_exp == 0 or pdim == 0 or qdim == 0:

@@ -50,9 +50,9 @@ class _GroupedSwiGLU(torch.autograd.Function):
     def forward(ctx, x, w1, w3, w2, token_idx, expert_idx, weight):
         n, d = x.shape
         n_exp, _, f = w1.shape
-        rt = _k.build_routing(token_idx, expert_idx, weight, n, n_exp, _k.CONFIG.block_m)
-        a, b, h = _k.gmm(1, x, w1, rt, f, gather=True, n_tok=n, b2=w3)  # [M, F] each
-        (y,) = _k.gmm(0, h, w2, rt, d)  # [M, D]
+        rt = _k.build_routing(token_idx, expert_idx, weight, n, n_exp, _k.CONFIG.block_ms(x.dtype))
+        a, b, h = _k.gmm(1, x, w1, rt, f, gather=True, n_tok=n, b2=w3, site="fwd_up")  # [M, F] each
+        (y,) = _k.gmm(0, h, w2, rt, d, site="fwd_down")  # [M, D]
         out = _rk.segment_sum(None, y, rt.w, rt.seg_order, rt.seg, x.dtype)  # [N, D]
         ctx.rt = rt
         ctx.save_for_backward(x, w1, w3, w2, a, b, y, weight)
@@ -73,14 +73,15 @@ class _GroupedSwiGLU(torch.autograd.Function):
             dws = torch.where(rt.tok >= 0, dws, torch.zeros((), dtype=dws.dtype, device=dws.device))
             dweight = torch.empty_like(weight).index_copy_(0, rt.perm, dws)
         if need_w2:
-            (dw2,) = _k.wgrad(1, a, dys, rt, n_exp, w2.dtype, e2=b)  # [E, F, D]
+            (dw2,) = _k.wgrad(1, a, dys, rt, n_exp, w2.dtype, e2=b, site="bwd_dw2")  # [E, F, D]
         if need_x or need_w1 or need_w3:
-            da, db = _k.gmm(2, dys, w2.transpose(1, 2), rt, f, e1=a, e2=b)  # [M, F] each
+            da, db = _k.gmm(2, dys, w2.transpose(1, 2), rt, f, e1=a, e2=b, site="bwd_dh")  # [M, F] each
             if need_x:
-                (dxs,) = _k.gmm(3, da, w1.transpose(1, 2), rt, d, a2=db, b2=w3.transpose(1, 2))  # [M, D]
+                w1t, w3t = w1.transpose(1, 2), w3.transpose(1, 2)
+                (dxs,) = _k.gmm(3, da, w1t, rt, d, a2=db, b2=w3t, site="bwd_dx")  # [M, D]
                 dx = _rk.segment_sum(None, dxs, None, rt.seg_order, rt.seg, x.dtype)  # [N, D]
             if need_w1 or need_w3:
-                dw1, dw3 = _k.wgrad(0, x, da, rt, n_exp, w1.dtype, q2=db, n_tok=n)  # [E, D, F] each
+                dw1, dw3 = _k.wgrad(0, x, da, rt, n_exp, w1.dtype, q2=db, n_tok=n, site="bwd_dw13")  # [E, D, F]
         return dx, dw1, dw3, dw2, None, None, dweight
 
 

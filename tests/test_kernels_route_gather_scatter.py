@@ -1,6 +1,7 @@
 """Routed gather / scatter-add: the Triton op against naive.py (outputs and every gradient)."""
 
 import os
+from functools import partial
 
 import pytest
 import torch
@@ -55,18 +56,18 @@ def _grads(fn, inputs, dy_seed=1):
     return out, [t.grad for t in leaves if t.is_floating_point()], dy
 
 
-def _check_scatter(x, idx, f, w, ratio):
-    y_ref, g_ref, _ = _grads(route_scatter_add_naive, (x, idx, f, w))
-    y_tri, g_tri, dy = _grads(route_scatter_add, (x, idx, f, w))
+def _check_scatter(x, idx, f, w, ratio, distinct=False):
+    y_ref, g_ref, _ = _grads(partial(route_scatter_add_naive, distinct=distinct), (x, idx, f, w))
+    y_tri, g_tri, dy = _grads(partial(route_scatter_add, distinct=distinct), (x, idx, f, w))
     assert_close("y", y_ref, y_tri, ratio)
     for name, a, b in zip(("dx", "df", "dw"), g_ref, g_tri, strict=True):
         assert_close(name, a, b, ratio)
     assert torch.equal(g_tri[0], dy)  # dx is the identity
 
 
-def _check_gather(x, idx, ratio):
-    xs_ref, (dx_ref,), _ = _grads(route_gather_naive, (x, idx))
-    xs_tri, (dx_tri,), _ = _grads(route_gather, (x, idx))
+def _check_gather(x, idx, ratio, distinct=False):
+    xs_ref, (dx_ref,), _ = _grads(partial(route_gather_naive, distinct=distinct), (x, idx))
+    xs_tri, (dx_tri,), _ = _grads(partial(route_gather, distinct=distinct), (x, idx))
     assert torch.equal(xs_ref, xs_tri)
     assert_close("dx", dx_ref, dx_tri, ratio)
 
@@ -119,6 +120,115 @@ def test_mod_block_pattern():
     assert_close("y", y_ref, y_tri, 1e-5)
     for name, a, b in zip(("dx", "dw"), g_ref, g_tri, strict=True):
         assert_close(name, a, b, 1e-5)
+
+
+# ---- distinct=True: the fast path (no sort, no segments, no atomics) against the same reference ----
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("b,t,d,k", BATCHED)
+def test_distinct_batched(b, t, d, k, dtype):
+    idx = _batched_idx(b, t, k, seed=11)
+    x, f, w = _inputs((b, t, d), (b, k), dtype, torch.float32, seed=2)
+    _check_gather(x, idx, TOL[dtype], distinct=True)
+    _check_scatter(x, idx, f, w, TOL[dtype], distinct=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_distinct_matches_general_path(dtype):
+    idx = _batched_idx(3, 11, 5, seed=4)
+    x, f, w = _inputs((3, 11, 37), (3, 5), dtype, seed=6)
+    for fn in (route_gather, partial(route_scatter_add, f=f, w=w)):
+        out_gen, g_gen, _ = _grads(lambda x, fn=fn: fn(x, idx), (x,))
+        out_fast, g_fast, _ = _grads(lambda x, fn=fn: fn(x, idx, distinct=True), (x,))
+        assert torch.equal(out_gen, out_fast) and torch.equal(g_gen[0], g_fast[0])
+
+
+def test_distinct_unsorted_int32_strided():
+    """MoD's causal lists: distinct but not sorted, a column slice of an argsort (strided); int32 here."""
+    g = torch.Generator().manual_seed(8)
+    idx = torch.stack([torch.randperm(10, generator=g) for _ in range(3)]).to(DEVICE, torch.int32)[:, :6]
+    assert not idx.is_contiguous()
+    x, f, w = _inputs((3, 10, 29), (3, 6), torch.float32)
+    _check_gather(x, idx, 1e-6, distinct=True)
+    _check_scatter(x, idx, f, w, 1e-6, distinct=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_distinct_flat(dtype):
+    idx = torch.randperm(23, generator=torch.Generator().manual_seed(9))[:9].to(DEVICE)  # unsorted rows
+    x, f, w = _inputs((23, 40), (9,), dtype, None)
+    _check_gather(x, idx, TOL[dtype], distinct=True)
+    _check_scatter(x, idx, f, w, TOL[dtype], distinct=True)
+
+
+def test_distinct_ragged_blocks(monkeypatch):
+    monkeypatch.setattr(rk, "MAX_BLOCK_D", 16)  # D=37: three column blocks, the last one ragged
+    monkeypatch.setattr(rk, "ROWS_TILE", 64)  # 4 entries per program: 9 entries in 3 programs, the last ragged
+    idx = _batched_idx(3, 9, 3, seed=3)
+    x, f, w = _inputs((3, 9, 37), (3, 3), torch.float32)
+    _check_gather(x, idx, 1e-6, distinct=True)
+    _check_scatter(x, idx, f, w, 1e-6, distinct=True)
+
+
+@pytest.mark.parametrize("gate", ["sigmoid", "identity"])
+def test_distinct_mod_block_pattern(gate):
+    """MoD's routed block with either gate: y = x + g(r) * tanh(gather(x)); gradients to x and the logits r."""
+    idx = _batched_idx(3, 12, 4, seed=5)
+    x, _, r = _inputs((3, 12, 24), (3, 4), torch.float32, seed=1)
+    r = r * 4 - 2  # signed logits: the identity gate gives negative weights
+
+    def block(gather, scatter):
+        def fn(x, r):
+            w = torch.sigmoid(r) if gate == "sigmoid" else r
+            return scatter(x, idx, torch.tanh(gather(x, idx, distinct=True)), w, distinct=True)
+
+        return fn
+
+    y_ref, g_ref, _ = _grads(block(route_gather_naive, route_scatter_add_naive), (x, r))
+    y_tri, g_tri, _ = _grads(block(route_gather, route_scatter_add), (x, r))
+    assert_close("y", y_ref, y_tri, 1e-5)
+    for name, a, b in zip(("dx", "dr"), g_ref, g_tri, strict=True):
+        assert_close(name, a, b, 1e-5)
+
+
+def test_distinct_empty_and_untouched_rows():
+    x, f, w = _inputs((2, 6, 8), (2, 0), torch.float32)
+    _check_scatter(x, torch.empty(2, 0, dtype=torch.int64, device=DEVICE), f, w, 1e-6, distinct=True)
+    idx = _batched_idx(2, 16, 4, seed=7)
+    x, f, w = _inputs((2, 16, 40), (2, 4), torch.float16)
+    assert torch.equal(route_scatter_add(x, idx, torch.zeros_like(f), w, distinct=True), x)
+    y = route_scatter_add(x, idx, f, w, distinct=True)
+    unselected = torch.ones(2, 16, dtype=torch.bool, device=DEVICE)
+    unselected.scatter_(1, idx, False)
+    assert torch.equal(y[unselected], x[unselected])
+
+
+def test_distinct_unchecked_bad_index_is_harmless():
+    idx = torch.tensor([[1, 9], [0, 2]], device=DEVICE)
+    x, f, w = _inputs((2, 9, 4), (2, 2), torch.float32)
+    xs = route_gather(x, idx, check=False, distinct=True)
+    assert torch.equal(xs[0, 1], torch.zeros(4, device=DEVICE))
+    y = route_scatter_add(x, idx, f, w, check=False, distinct=True)
+    assert torch.equal(y[1, 0], (x[1, 0] + w[1, 0] * f[1, 0]))
+    assert torch.equal(y[0, 2:], x[0, 2:]) and torch.equal(y[1, 1], x[1, 1])
+
+
+@pytest.mark.parametrize("naive", [False, True])
+def test_distinct_contract_checked(naive):
+    """Repeats under distinct=True: the reference and check=True raise; rows of different sequences may match."""
+    x, f, w = _inputs((2, 9, 4), (2, 2), torch.float32)
+    ok = torch.tensor([[3, 1], [3, 1]], device=DEVICE)
+    bad = torch.tensor([[3, 1], [2, 2]], device=DEVICE)
+    gather = route_gather_naive if naive else partial(route_gather, check=True)
+    scatter = route_scatter_add_naive if naive else partial(route_scatter_add, check=True)
+    gather(x, ok, distinct=True)
+    with pytest.raises(ValueError, match="repeat"):
+        gather(x, bad, distinct=True)
+    with pytest.raises(ValueError, match="repeat"):
+        scatter(x, bad, f, w, distinct=True)
+    with pytest.raises(ValueError, match="repeat"):
+        scatter(x[0], bad[1], f[0], w[0], distinct=True)  # flat form
 
 
 def test_batch_offsets_against_loop():

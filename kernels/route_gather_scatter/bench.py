@@ -3,13 +3,16 @@
 Workload: the MoD routed block with an identity body,
 ``y = route_scatter_add(x, idx, route_gather(x, idx), w)``, so forward runs
 gather + scatter and backward runs scatter-bwd (df, dw) + gather-bwd (dx) + the dx sum.
-Peers: ``triton`` (this op), ``naive`` (the fp32-accumulating reference in naive.py) and ``torch``
-(idiomatic native-dtype PyTorch: ``index_select`` + out-of-place ``index_add`` with batch offsets).
+Peers: ``triton`` (this op, general path: sort + CSR segments), ``triton_distinct`` (this op with
+``distinct=True``, MoD's case: no segments), ``naive`` (the fp32-accumulating reference in naive.py) and
+``torch`` (idiomatic native-dtype PyTorch: ``index_select`` + out-of-place ``index_add`` with batch offsets).
+The indices are sorted and distinct per sequence, so every peer computes the same thing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -32,6 +35,7 @@ def _torch_scatter_add(x: torch.Tensor, idx: torch.Tensor, f: torch.Tensor, w: t
 
 PROVIDERS = {
     "triton": (route_gather, route_scatter_add),
+    "triton_distinct": (partial(route_gather, distinct=True), partial(route_scatter_add, distinct=True)),
     "naive": (route_gather_naive, route_scatter_add_naive),
     "torch": (_torch_gather, _torch_scatter_add),
 }
@@ -86,18 +90,27 @@ def bench_route_gather_scatter(
         device: a CUDA device (``do_bench`` times with CUDA events).
 
     Returns:
-        One row per (provider, mode): ``{"op", "provider", "mode", "B", "T", "D", "K", "dtype", "ms"}`` with
-        ``ms`` the median of ``triton.testing.do_bench``.
+        One row per (provider, mode): ``{"op", "provider", "mode", "B", "T", "D", "K", "dtype", "ms",
+        "graph_ms"}`` with ``ms`` the median of ``triton.testing.do_bench`` (eager: host launch overhead
+        included, and at the default shape it dominates) and ``graph_ms`` the median of ``do_bench_cudagraph``
+        (device time: launches replayed from a CUDA graph, no L2 flush; nan for ``naive``, whose range check
+        syncs the host and cannot be captured).
     """
     import triton.testing
 
     workloads, leaves = make_workloads(B, T, D, K, dtype, device)
+    shape = {"B": B, "T": T, "D": D, "K": K, "dtype": str(dtype).removeprefix("torch.")}
     rows: list[dict[str, object]] = []
     for provider, modes in workloads.items():
         for mode, fn in modes.items():
             ms = triton.testing.do_bench(fn, grad_to_none=leaves, return_mode="median")
-            shape = {"B": B, "T": T, "D": D, "K": K, "dtype": str(dtype).removeprefix("torch.")}
             rows.append({"op": "route_gather_scatter", "provider": provider, "mode": mode, **shape, "ms": ms})
+    for row in rows:  # after every eager timing, so a failed capture cannot disturb them
+        fn = workloads[row["provider"]][row["mode"]]
+        graph = row["provider"] != "naive"
+        row["graph_ms"] = (
+            triton.testing.do_bench_cudagraph(fn, grad_to_none=leaves, return_mode="median") if graph else float("nan")
+        )
     return rows
 
 

@@ -5,6 +5,9 @@ flat form (``x [N, D]``, ``idx [K]``, row indices into ``x``, repeats allowed). 
 to the flat one by adding the per-sequence offset ``b * T``; forgetting that offset is the classic MoD bug
 (every sequence would read and write sequence 0).
 
+``distinct=True`` (the op's fast-path contract: no row selected twice) changes no result here; the reference
+verifies it (ValueError on a repeat), so a test or CPU run catches a caller that breaks it.
+
 Accumulation is done in ``promote(x.dtype, float32)``: fp32 for fp16/bf16/fp32, float64 for float64 (so
 ``gradcheck`` sees an exact float64 reference). Autograd provides every gradient.
 """
@@ -13,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["flatten_index", "route_gather_naive", "route_scatter_add_naive"]
+__all__ = ["check_distinct", "flatten_index", "route_gather_naive", "route_scatter_add_naive"]
 
 
 def flatten_index(idx: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -35,6 +38,13 @@ def _check_range(idx: torch.Tensor, n: int) -> None:
         raise ValueError(f"route index out of range [0, {n}): min {int(idx.min())}, max {int(idx.max())}")
 
 
+def check_distinct(idx: torch.Tensor) -> None:
+    """Raises ValueError when a row of ``idx`` (``[B, K]`` per sequence, or ``[K]``) repeats a value (host sync)."""
+    s = idx.sort(dim=-1).values
+    if s.shape[-1] > 1 and bool((s[..., 1:] == s[..., :-1]).any()):
+        raise ValueError("route indices repeat but distinct=True was passed")
+
+
 def _flat(x: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``(x2d [N, D], flat_idx [K_total])`` after a range check on the un-flattened indices."""
     if x.dim() == 3:
@@ -48,23 +58,28 @@ def _flat(x: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return x, idx.to(torch.int64)
 
 
-def route_gather_naive(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+def route_gather_naive(x: torch.Tensor, idx: torch.Tensor, *, distinct: bool = False) -> torch.Tensor:
     """Selected rows of ``x``.
 
     Args:
         x: ``[B, T, D]`` or ``[N, D]``.
         idx: ``[B, K]`` positions per sequence, or ``[K]`` flat rows (repeats allowed).
+        distinct: promise no repeats (verified, see the module docstring); same result.
 
     Returns:
         ``[B, K, D]`` or ``[K, D]``: ``xs[b, j] = x[b, idx[b, j]]``. Backward sums gradients into the
         selected rows (repeats add up); unselected rows get 0.
     """
     x2, flat = _flat(x, idx)
+    if distinct:
+        check_distinct(idx)
     xs = x2.index_select(0, flat)  # [B*K, D]
     return xs.reshape(*idx.shape, x.shape[-1])
 
 
-def route_scatter_add_naive(x: torch.Tensor, idx: torch.Tensor, f: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def route_scatter_add_naive(
+    x: torch.Tensor, idx: torch.Tensor, f: torch.Tensor, w: torch.Tensor, *, distinct: bool = False
+) -> torch.Tensor:
     """The routed residual update ``y = x``, then ``y[idx[j]] += w[j] * f[j]``.
 
     Args:
@@ -72,12 +87,15 @@ def route_scatter_add_naive(x: torch.Tensor, idx: torch.Tensor, f: torch.Tensor,
         idx: ``[B, K]`` positions per sequence, or ``[K]`` flat rows (repeats accumulate).
         f: ``[B, K, D]`` or ``[K, D]`` block output without the residual.
         w: ``[B, K]`` or ``[K]`` router weights (gate already applied).
+        distinct: promise no repeats (verified, see the module docstring); same result.
 
     Returns:
         ``y`` with the shape and dtype of ``x``; the sum is formed in fp32 (float64 for float64) and rounded
         once.
     """
     x2, flat = _flat(x, idx)
+    if distinct:
+        check_distinct(idx)
     acc = torch.promote_types(x.dtype, torch.float32)
     upd = w.reshape(-1, 1).to(acc) * f.reshape(-1, x.shape[-1]).to(acc)  # [B*K, D]
     y = x2.to(acc).index_add(0, flat, upd)  # [N, D]

@@ -2,10 +2,18 @@
 
 Two forms, chosen by ``x.dim()``:
 
-- batched: ``x [B, T, D]``, ``idx [B, K]`` positions per sequence (MoD: sorted, distinct; not required).
-  Internally flattened to rows ``idx[b, j] + b * T`` of ``x.reshape(B * T, D)``; an index outside
-  ``[0, T)`` becomes -1 there (never written, reads as 0), so it cannot leak into another sequence.
+- batched: ``x [B, T, D]``, ``idx [B, K]`` positions per sequence (MoD: distinct). They address rows
+  ``idx[b, j] + b * T`` of ``x.reshape(B * T, D)``; an index outside ``[0, T)`` is never written and reads
+  as 0, so it cannot leak into another sequence.
 - flat: ``x [N, D]``, ``idx [K]`` rows (MoDE / token-choice experts: repeats allowed and accumulated).
+
+``distinct=True`` (keyword) is the fast path for indices that never repeat a row (MoD's per-sequence top-k,
+and its causal-rule lists: distinct, sorted or not; sorted only helps locality). It skips the sort + CSR build:
+scatter-add is ``y = x.clone()`` plus one kernel adding ``w[j] * f[j]`` into rows ``idx[j]`` (no atomics: a
+row gets at most one update), gather's backward is zeros plus the same kernel. The promise is not verified
+on the hot path (that needs a host sync); ``check`` verifies it along with the range, and the naive
+reference always does. Broken, the op stays memory-safe but a repeated row keeps one contribution of its
+several (race), in y and in dx. Results equal the general path's: same fp32 sums, rounded once.
 
 Design choices:
 
@@ -14,8 +22,9 @@ Design choices:
   normally saved for backward by the norm and router that read it, so overwriting it would break autograd.
 - Repeated indices are reduced through a sorted segmented reduction (stable sort + CSR), not atomics: no
   extra fp32 buffer, deterministic, same summation order as ``index_add``. Gather's backward uses it too.
-- Range checks need a host sync on CUDA: by default they run on CPU tensors only (``check=None``); pass
-  ``check=True`` to force them. Unchecked kernels stay memory-safe (see ``kernel.py``).
+  Gather's forward and scatter's backward need no segments and are shared by both paths.
+- Range (and distinct) checks need a host sync on CUDA: by default they run on CPU tensors only
+  (``check=None``); pass ``check=True`` to force them. Unchecked kernels stay memory-safe (see ``kernel.py``).
 - Triton runs on CUDA tensors, or on CPU when ``TRITON_INTERPRET=1`` was set before this package was
   imported; otherwise (plain CPU, no Triton) the op falls back to ``naive.py`` so the laptop path works.
 """
@@ -38,7 +47,7 @@ def _use_triton(x: torch.Tensor) -> bool:
     return _k is not None and (x.is_cuda or _k.INTERPRET)
 
 
-def _validate(x: torch.Tensor, idx: torch.Tensor, check: bool | None) -> None:
+def _validate(x: torch.Tensor, idx: torch.Tensor, check: bool | None, distinct: bool) -> None:
     if not x.is_floating_point():
         raise TypeError(f"x must be floating point, got {x.dtype}")
     if idx.dtype not in (torch.int64, torch.int32):
@@ -54,70 +63,88 @@ def _validate(x: torch.Tensor, idx: torch.Tensor, check: bool | None) -> None:
         n = x.shape[-2]
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
             raise ValueError(f"route index out of range [0, {n}): min {int(idx.min())}, max {int(idx.max())}")
+        if distinct:
+            naive.check_distinct(idx)
 
 
-def _flat_index(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """``[K_total]`` int64 rows of ``x.reshape(-1, D)``; invalid batched positions map to -1."""
-    if x.dim() == 2:
-        return idx.to(torch.int64).contiguous()
-    t = x.shape[1]
-    flat = naive.flatten_index(idx, t)
-    return torch.where((idx >= 0) & (idx < t), flat.view(idx.shape), -1).reshape(-1)
+def _flat_index(idx: torch.Tensor, n: int) -> torch.Tensor:
+    """``[K_total]`` int64 rows of the ``[n, D]`` rows for ``build_segments``; invalid positions map to -1."""
+    if idx.dim() == 1:
+        return idx.to(torch.int64)
+    t = n // max(idx.shape[0], 1)
+    return torch.where((idx >= 0) & (idx < t), naive.flatten_index(idx, t).view(idx.shape), -1).reshape(-1)
 
 
 class _RouteGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:  # x [N, D], idx [K]
+    def forward(ctx, x: torch.Tensor, idx: torch.Tensor, distinct: bool) -> torch.Tensor:  # x [N, D]
         ctx.save_for_backward(idx)
-        ctx.n_rows = x.shape[0]
-        return _k.gather_rows(x, idx)  # [K, D]
+        ctx.n_rows, ctx.distinct = x.shape[0], distinct
+        return _k.gather_rows(x, idx)  # [B*K, D]
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, None]:  # g [K, D]
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:  # g [B*K, D]
         (idx,) = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
-            return None, None
-        order, seg = _k.build_segments(idx, ctx.n_rows)
-        return _k.segment_sum(None, g.contiguous(), None, order, seg, g.dtype), None  # [N, D]
+            return None, None, None
+        g = g.contiguous()
+        if ctx.distinct:
+            dx = _k.scatter_rows(g.new_zeros(ctx.n_rows, g.shape[1]), idx, g, None)
+        else:
+            order, seg = _k.build_segments(_flat_index(idx, ctx.n_rows), ctx.n_rows)
+            dx = _k.segment_sum(None, g, None, order, seg, g.dtype)
+        return dx, None, None  # dx [N, D]
 
 
 class _RouteScatterAdd(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, idx: torch.Tensor, f: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        order, seg = _k.build_segments(idx, x.shape[0])
+    def forward(ctx, x: torch.Tensor, idx: torch.Tensor, f: torch.Tensor, w: torch.Tensor, distinct: bool):
         ctx.save_for_backward(idx, f, w)
+        if distinct:
+            return _k.scatter_rows(x.clone(), idx, f, w)  # [N, D]
+        order, seg = _k.build_segments(_flat_index(idx, x.shape[0]), x.shape[0])
         return _k.segment_sum(x, f, w, order, seg, x.dtype)  # [N, D]
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):  # dy [N, D]
         idx, f, w = ctx.saved_tensors
-        need_dx, _, need_df, need_dw = ctx.needs_input_grad
+        need_dx, _, need_df, need_dw, _ = ctx.needs_input_grad
         df, dw = _k.scatter_add_backward(dy.contiguous(), idx, f, w, need_df, need_dw)
-        return (dy if need_dx else None), None, df, dw
+        return (dy if need_dx else None), None, df, dw, None
 
 
-def route_gather(x: torch.Tensor, idx: torch.Tensor, *, check: bool | None = None) -> torch.Tensor:
+def route_gather(
+    x: torch.Tensor, idx: torch.Tensor, *, check: bool | None = None, distinct: bool = False
+) -> torch.Tensor:
     """Gathers the routed rows: ``xs[b, j] = x[b, idx[b, j]]`` (batched) or ``xs[j] = x[idx[j]]`` (flat).
 
     Args:
         x: ``[B, T, D]`` or ``[N, D]`` floating point.
         idx: ``[B, K]`` positions per sequence, or ``[K]`` flat rows (repeats allowed); int64 (or int32).
         check: range-check idx (ValueError); None checks CPU tensors only, True forces a host sync on CUDA.
+        distinct: the caller promises no row repeats (per sequence when batched): fast backward, no sort or
+            segments; see the module docstring for the contract.
 
     Returns:
         ``[B, K, D]`` or ``[K, D]``, dtype of x. Backward sums into the selected rows of dx (repeats add,
         fp32); unselected rows get 0.
     """
-    _validate(x, idx, check)
+    _validate(x, idx, check, distinct)
     if not _use_triton(x):
-        return naive.route_gather_naive(x, idx)
+        return naive.route_gather_naive(x, idx, distinct=distinct)
     d = x.shape[-1]
-    xs = _RouteGather.apply(x.reshape(-1, d).contiguous(), _flat_index(x, idx))  # [B*K, D]
+    xs = _RouteGather.apply(x.reshape(-1, d).contiguous(), idx.contiguous(), distinct)  # [B*K, D]
     return xs.view(*idx.shape, d)
 
 
 def route_scatter_add(
-    x: torch.Tensor, idx: torch.Tensor, f: torch.Tensor, w: torch.Tensor, *, check: bool | None = None
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    f: torch.Tensor,
+    w: torch.Tensor,
+    *,
+    check: bool | None = None,
+    distinct: bool = False,
 ) -> torch.Tensor:
     """The routed residual update: ``y = x`` except ``y[idx[j]] = x[idx[j]] + sum w[j] * f[j]``.
 
@@ -130,12 +157,13 @@ def route_scatter_add(
         f: ``[B, K, D]`` or ``[K, D]`` block output WITHOUT the residual; dtype of x.
         w: ``[B, K]`` or ``[K]`` router weights, gate already applied; float32 or dtype of x.
         check: range-check idx (ValueError); see ``route_gather``.
+        distinct: the caller promises no row repeats: no sort or segments, no atomics; see ``route_gather``.
 
     Returns:
-        ``y``, a new tensor with the shape and dtype of x (out-of-place, single pass; unselected rows are
-        bit-identical to x).
+        ``y``, a new tensor with the shape and dtype of x (out-of-place: one pass, or a copy plus the routed
+        rows when distinct; unselected rows are bit-identical to x).
     """
-    _validate(x, idx, check)
+    _validate(x, idx, check, distinct)
     d = x.shape[-1]
     if f.shape != (*idx.shape, d):
         raise ValueError(f"f must be {(*idx.shape, d)}, got {tuple(f.shape)}")
@@ -148,11 +176,12 @@ def route_scatter_add(
     if f.device != x.device or w.device != x.device:
         raise ValueError("x, idx, f, w must be on one device")
     if not _use_triton(x):
-        return naive.route_scatter_add_naive(x, idx, f, w)
+        return naive.route_scatter_add_naive(x, idx, f, w, distinct=distinct)
     y = _RouteScatterAdd.apply(
         x.reshape(-1, d).contiguous(),
-        _flat_index(x, idx),
+        idx.contiguous(),
         f.reshape(-1, d).contiguous(),
         w.reshape(-1).contiguous(),
+        distinct,
     )
     return y.view(x.shape)

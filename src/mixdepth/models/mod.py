@@ -161,13 +161,13 @@ class RoutedBlock(nn.Module):
             taken = self.decide(r, p)  # [B, T]
             idx, valid = compact(taken)  # [B, m] taken positions first (ascending), then padding
             target = None
-        xs = route_gather(x, idx)  # [B, k, D]
+        xs = route_gather(x, idx, distinct=True)  # [B, k, D]; top-k and compact never repeat a position
         attn = partial(self._attend, rope=rope, pos=idx, cache=cache, valid=valid)
         f = self.block.delta_with(xs, attn).to(x.dtype)  # [B, k, D] update without the residual
         w = self.weight(r.gather(1, idx))  # [B, k] fp32
         if valid is not None:
             w = torch.where(valid, w, 0.0)  # padding entries write x + 0
-        return route_scatter_add(x, idx, f, w), RouteInfo(r, p, target, taken)
+        return route_scatter_add(x, idx, f, w, distinct=True), RouteInfo(r, p, target, taken)
 
     def _attend(self, u, *, rope, pos, cache, valid):
         """Attention over the gathered tokens at their original positions; fills ``cache`` when given."""

@@ -138,7 +138,7 @@ def bench_step(args) -> None:
             n_heads=d // 64,
             n_kv_heads=d // 64,
             seq_len=T,
-            vocab_size=50304,
+            vocab_size=args.vocab,
             tie_embeddings=True,
             **extra,
         )
@@ -147,7 +147,7 @@ def bench_step(args) -> None:
         if args.compile:
             model.compile()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        x = torch.randint(0, 50304, (args.batch_size, T + 1), device=dev)
+        x = torch.randint(0, args.vocab, (args.batch_size, T + 1), device=dev)
 
         def step(model=model, opt=opt, x=x):
             with torch.autocast("cuda", torch.bfloat16):
@@ -186,7 +186,8 @@ def bench_step(args) -> None:
         torch.cuda.empty_cache()
     base = rows[0]
     print(
-        f"d_model {d}, {args.n_layers} layers, T {T}, batch {args.batch_size}, bf16 autocast, fused AdamW,"
+        f"d_model {d}, {args.n_layers} layers, T {T}, batch {args.batch_size}, vocab {args.vocab}, bf16 autocast,"
+        " fused AdamW,"
         f" compile {args.compile}, {torch.cuda.get_device_name(0)}, torch {torch.__version__}"
     )
     print("| arch | options | params | fwd FLOPs/token | step ms (median) | vs first | FLOP ratio | peak GiB |")
@@ -221,6 +222,7 @@ def main() -> None:
     sp.add_argument("--seq-len", type=int, default=2048)
     sp.add_argument("--batch-size", type=int, default=8)
     sp.add_argument("--steps", type=int, default=20)
+    sp.add_argument("--vocab", type=int, default=50304, help="vocabulary (tied embeddings); 256 = byte-level")
     sp.add_argument("--compile", action="store_true", help="torch.compile every model")
     sp.add_argument("--profile", type=int, default=0, help="print the N heaviest GPU kernels per arch")
     sp.add_argument("--set", nargs="*", default=[], help="arch.key=value model options, e.g. mod.capacity=0.125")

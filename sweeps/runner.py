@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
+import signal
 import time
-from dataclasses import asdict
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import optuna
+import torch
 
 from mixdepth import results
-from mixdepth.config import LabConfig
+from mixdepth.config import ConfigError, LabConfig
 from mixdepth.data import load_corpus
-from mixdepth.train import RunConfig, RunResult, fit
+from mixdepth.train import RunConfig, RunResult, fit, resolve_device
 from sweeps.plan import Trial, plan, sweep_id, table
 
 
@@ -89,15 +94,41 @@ def run_isoflop(lab: LabConfig, conf_dir: Path, db: Path, preset: str, dry_run: 
         for n in notes:
             print("note:", n)
         return 0
-    load_corpus(lab.data)  # fail on a bad corpus before the database is touched
+    gpus = _worker_gpus(lab)
+    load_corpus(lab.data)  # fail on a bad corpus before the database is touched; fills the cache workers read
     con = results.connect(db)  # held for the whole sweep: the one writer of this database
     try:
-        return _run(lab, db, con, sid, preset, trials)
+        return _run(lab, db, con, sid, preset, trials, gpus)
     finally:
         con.close()
 
 
-def _run(lab: LabConfig, db: Path, con, sid: str, preset: str, trials: list[Trial]) -> int:
+def _worker_gpus(lab: LabConfig) -> list[str]:
+    """CUDA_VISIBLE_DEVICES of each pool worker: one GPU each when workers > 1 train on GPUs, else none."""
+    if lab.sweep.workers == 1 or resolve_device(lab.train)[0] != "gpu":
+        return []
+    n = torch.cuda.device_count()
+    if lab.sweep.workers > n:
+        raise ConfigError(f"sweep.workers={lab.sweep.workers} needs one GPU each, but {n} are visible")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return (visible.split(",") if visible else [str(i) for i in range(n)])[: lab.sweep.workers]
+
+
+def _header(i: int, n: int, t: Trial) -> str:
+    return (
+        f"[{i}/{n}] {t.arch} C={t.budget:.2e} d_model={t.shape.d_model}"
+        f" layers={t.shape.n_layers} params={t.params['nonembed']:,} tokens={t.tokens:,} steps={t.steps}"
+    )
+
+
+def _record(con, sid: str, lab: LabConfig, t: Trial, res: RunResult, tag: str = "") -> float:
+    """Store a finished run (row and curve in one transaction) and print its result line."""
+    results.add_run(con, run_row(sid, t, lab, res), res.curve)
+    print(f"    {tag}val_loss={res.val_loss:.4f} ({res.wall_s:.1f}s, {res.tokens_per_s:,.0f} tok/s)", flush=True)
+    return res.val_loss
+
+
+def _run(lab: LabConfig, db: Path, con, sid: str, preset: str, trials: list[Trial], gpus: list[str]) -> int:
     results.add_sweep(con, sid, lab.sweep.name, preset, asdict(lab))
     done = results.finished_run_ids(con)
     todo = [t for t in trials if t.run_id not in done]
@@ -109,18 +140,13 @@ def _run(lab: LabConfig, db: Path, con, sid: str, preset: str, trials: list[Tria
     def objective(trial: optuna.Trial) -> float:
         t = by_id[trial.suggest_categorical("run_id", list(by_id))]
         counter["i"] += 1
-        print(
-            f"[{counter['i']}/{len(todo)}] {t.arch} C={t.budget:.2e} d_model={t.shape.d_model}"
-            f" layers={t.shape.n_layers} params={t.params['nonembed']:,} tokens={t.tokens:,} steps={t.steps}",
-            flush=True,
-        )
-        res = fit(RunConfig(model=t.model, data=lab.data, train=lab.train, steps=t.steps))
-        results.add_run(con, run_row(sid, t, lab, res), res.curve)
-        print(f"    val_loss={res.val_loss:.4f} ({res.wall_s:.1f}s, {res.tokens_per_s:,.0f} tok/s)", flush=True)
-        return res.val_loss
+        print(_header(counter["i"], len(todo), t), flush=True)
+        return _record(con, sid, lab, t, fit(RunConfig(model=t.model, data=lab.data, train=lab.train, steps=t.steps)))
 
     start = time.perf_counter()
-    if todo:
+    if todo and lab.sweep.workers > 1:
+        _run_pool(lab, con, sid, study, by_id, len(todo), gpus)
+    elif todo:
         study.optimize(objective, n_trials=len(todo), catch=())
     print(f"trained {len(todo)} runs in {time.perf_counter() - start:.0f}s")
 
@@ -132,3 +158,53 @@ def _run(lab: LabConfig, db: Path, con, sid: str, preset: str, trials: list[Tria
     for name, p in paths.items():
         print(f"{name}: {p}")
     return 0
+
+
+def _init_worker(gpus: mp.queues.Queue | None) -> None:
+    """Pool worker start: Ctrl-C is the parent's to handle; take this worker's GPU before CUDA starts."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if gpus is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpus.get()
+
+
+def _run_pool(
+    lab: LabConfig, con, sid: str, study: optuna.Study, by_id: dict[str, Trial], n: int, gpus: list[str]
+) -> None:
+    """Train the n queued runs in sweep.workers spawned processes; only this process writes the store and journal."""
+    workers = lab.sweep.workers
+    threads = lab.train.threads or max(1, (os.cpu_count() or 1) // workers)
+    train = replace(lab.train, threads=threads, progress=False)  # progress bars of several processes would mix
+    ctx = mp.get_context("spawn")  # never fork a process whose torch threads exist
+    queue = ctx.Queue() if gpus else None
+    for g in gpus:
+        queue.put(g)
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(queue,))
+    running: dict[Future, tuple[int, optuna.Trial, Trial]] = {}
+
+    def finish_one() -> None:
+        done = wait(running, return_when=FIRST_COMPLETED).done
+        for f in sorted(done, key=lambda f: f.exception() is not None):  # store the good ones before raising
+            i, trial, t = running[f]
+            value = _record(con, sid, lab, t, f.result(), f"[{i}/{n}] ")
+            del running[f]
+            study.tell(trial, value)
+
+    try:
+        for i in range(1, n + 1):
+            if len(running) == workers:
+                finish_one()
+            trial = study.ask()
+            t = by_id[trial.suggest_categorical("run_id", list(by_id))]
+            print(_header(i, n, t), flush=True)
+            run = RunConfig(model=t.model, data=lab.data, train=train, steps=t.steps)
+            running[pool.submit(fit, run)] = (i, trial, t)
+        while running:
+            finish_one()
+    except BaseException:  # a failed run or Ctrl-C: unfinished runs leave no row and fail in the journal
+        for _, trial, _ in running.values():
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        for p in list(pool._processes.values()):  # no public kill_workers() before Python 3.14
+            p.kill()  # not SIGTERM: Lightning catches it while training
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)

@@ -101,3 +101,80 @@ def test_status_lists_the_sweep(swept, cli):
     assert (planned, ok, diverged, failed) == ("6", "6", "0", "0")
     missing = cli("sweeps", "status", "--db", str(d / "nope.db"))
     assert missing.returncode == 1 and "does not exist" in missing.stderr
+
+
+SMALL = [  # 4 runs, one thread per process (a one-budget sweep cannot draw its frontier plot)
+    *(o for o in TINY if not o.startswith(("sweep.budgets", "sweep.ladder"))),
+    "sweep.archs=[dense]",
+    "sweep.budgets=[1e9,2e9]",
+    "sweep.ladder=[{d_model: 16, n_layers: 1, n_heads: 2}, {d_model: 24, n_layers: 1, n_heads: 2}]",
+    "train.threads=1",
+]
+
+
+@pytest.fixture(scope="module")
+def pooled(tmp_path_factory):
+    """The SMALL sweep with sweep.workers=2 and with the in-process path, run side by side (separate DBs)."""
+    import os
+    import subprocess
+    import sys
+
+    d = tmp_path_factory.mktemp("pool")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    procs = {
+        w: subprocess.Popen(
+            [sys.executable, "-m", "sweeps", "isoflop", "--db", str(d / f"w{w}.db"), *SMALL, f"sweep.workers={w}"],
+            cwd=d,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for w in (1, 2)
+    }
+    outs = {w: p.communicate(timeout=600) for w, p in procs.items()}
+    for w, p in procs.items():
+        assert p.returncode == 0, outs[w][1][-2000:]
+    return d, outs
+
+
+def test_workers_train_every_run_once_as_in_process(pooled, cli):
+    d, outs = pooled
+    cols = "arch, budget, d_model, n_layers, steps, tokens, train_flops, flops_per_token, status, val_loss"
+    rows = {}
+    for w in (1, 2):
+        con = duckdb.connect(str(d / f"w{w}.db"), read_only=True)
+        assert con.execute("SELECT count(*) = count(DISTINCT run_id) FROM runs").fetchone()[0]
+        rows[w] = con.execute(f"SELECT {cols} FROM runs ORDER BY arch, budget, d_model, n_layers").fetchall()
+        con.close()
+    assert len(rows[2]) == len(rows[1]) == 4 and "4 runs planned" in outs[2][0]
+    for a, b in zip(rows[1], rows[2], strict=True):
+        assert a[:-1] == b[:-1] and a[-1] == pytest.approx(b[-1], abs=1e-5)
+    assert all(f"[{i}/4] val_loss=" in outs[2][0] for i in (1, 2, 3, 4))
+    line = next(ln for ln in cli("sweeps", "status", "--db", str(d / "w2.db")).stdout.splitlines() if "tiny-" in ln)
+    assert line.split()[4:8] == ["4", "4", "0", "0"]  # planned, ok, diverged, failed attempts
+
+
+def test_workers_zero_is_one_line_error(cli, tmp_path):
+    r = cli("sweeps", "isoflop", "--db", str(tmp_path / "r.db"), *SMALL, "sweep.workers=0")
+    assert r.returncode == 2 and r.stderr.strip() == "error: sweep.workers must be at least 1, got 0"
+    assert not (tmp_path / "r.db").exists()
+
+
+def test_workers_on_gpus_need_one_gpu_each(monkeypatch):
+    from pathlib import Path
+
+    import torch
+
+    from mixdepth.config import ConfigError, load_config
+    from sweeps.runner import _worker_gpus
+
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert _worker_gpus(load_config(conf, "isoflop", ["sweep.workers=2"])) == ["3", "5"]
+    assert _worker_gpus(load_config(conf, "isoflop", ["sweep.workers=1"])) == []
+    assert _worker_gpus(load_config(conf, "isoflop", ["sweep.workers=2", "train.accelerator=cpu"])) == []
+    with pytest.raises(ConfigError, match="sweep.workers=3 needs one GPU each, but 2 are visible"):
+        _worker_gpus(load_config(conf, "isoflop", ["sweep.workers=3"]))

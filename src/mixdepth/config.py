@@ -62,6 +62,7 @@ class SweepConfig:
     ladder: list[Shape] = field(default_factory=list)  # model sizes tried at every budget
     min_steps: int = 20  # grid points that would train fewer steps are left out of the plan
     bootstrap: int = 200  # bootstrap resamples for fit confidence intervals
+    workers: int = 1  # runs trained at once in spawned processes (CPU: cores/workers threads each; GPU: one per GPU)
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,8 @@ def _validate(lab: LabConfig, conf_dir: Path) -> None:
             raise ConfigError(f"sweep.budgets must be positive FLOP counts, got {c:g}")
     if not s.ladder:
         raise ConfigError("sweep.ladder is empty")
+    if s.workers < 1:
+        raise ConfigError(f"sweep.workers must be at least 1, got {s.workers}")
     for key in ("batch_size", "log_every"):
         if getattr(lab.train, key) <= 0:
             raise ConfigError(f"train.{key} must be positive, got {getattr(lab.train, key)}")

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt  # SIGTERM (a scheduler's stop) cleans up like Ctrl-C: workers killed, no partial rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         from sweeps.runner import run_isoflop
 
         lab = load_config(args.conf, args.preset, args.overrides)
+        signal.signal(signal.SIGTERM, _interrupt)
         return run_isoflop(lab, args.conf, args.db.expanduser().absolute(), args.preset, args.dry_run)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

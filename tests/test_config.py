@@ -11,7 +11,8 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 
 def test_default_preset_is_typed_and_frozen():
     lab = load_config(CONF, "isoflop")
-    assert lab.sweep.archs == ["dense"] and len(lab.sweep.budgets) >= 3 and len(lab.sweep.ladder) >= 5
+    assert lab.sweep.archs == ["dense", "mod", "moda", "mode", "mode_integrated"]
+    assert len(lab.sweep.budgets) >= 3 and len(lab.sweep.ladder) >= 5
     assert isinstance(lab.sweep.ladder[0], Shape) and isinstance(lab.train.lr, float)
     with pytest.raises(dataclasses.FrozenInstanceError):
         lab.train.lr = 1.0
@@ -31,7 +32,8 @@ def test_overrides_apply_to_sections_and_model_families():
     [
         ("train.lrr=1", "train.lrr"),
         ("sweep.foo=1", "sweep.foo"),
-        ("model.capacity=0.5", "model.capacity"),
+        ("model.n_expert=2", "model.n_expert"),
+        ("model.capacity=1.5", "model.capacity"),
         ("train.lr=fast", "train.lr"),
         ("train.batch_size=1.5", "train.batch_size"),
         ("sweep.budgets=[0]", "sweep.budgets"),

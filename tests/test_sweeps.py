@@ -17,6 +17,7 @@ TINY = [
     "train.log_every=5",
     "train.progress=false",
 ]
+N_RUNS = 14  # dense: 3 shapes x 2 budgets; mod, moda, mode, mode_integrated: the 2-layer shape x 2 budgets
 
 
 def test_dry_run_prints_plan_and_writes_nothing(cli, tmp_path):
@@ -35,8 +36,10 @@ def swept(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("sweep")
     cmd = [sys.executable, "-m", "sweeps", "isoflop", "--db", str(d / "r.db"), *TINY]
-    first = subprocess.run(cmd, cwd=d, capture_output=True, text=True, timeout=900, env=dict(os.environ))
-    second = subprocess.run(cmd, cwd=d, capture_output=True, text=True, timeout=900, env=dict(os.environ))
+    # as a user's CPU run: no Triton interpreter (conftest sets it for the kernel tests), routed ops on torch
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    first = subprocess.run(cmd, cwd=d, capture_output=True, text=True, timeout=900, env=env)
+    second = subprocess.run(cmd, cwd=d, capture_output=True, text=True, timeout=900, env=env)
     return d, first, second
 
 
@@ -48,7 +51,10 @@ def test_sweep_writes_one_row_per_run_with_exact_flops(swept):
         "SELECT arch, budget, params_nonembed, flops_per_token, tokens, steps, batch_size, seq_len, train_flops,"
         " flops_6nd, val_loss, status, corpus_fingerprint, device, versions FROM runs"
     ).fetchall()
-    assert len(rows) == 6
+    # the default preset's five families: dense on all 3 shapes, the routed ones on the 2-layer shape only
+    arch_runs = dict(con.execute("SELECT arch, count(*) FROM runs GROUP BY arch").fetchall())
+    assert arch_runs == {"dense": 6, "mod": 2, "moda": 2, "mode": 2, "mode_integrated": 2}
+    assert len(rows) == N_RUNS
     for _arch, budget, n, fpt, tokens, steps, bs, T, train_flops, f6, val, status, fp, device, versions in rows:
         assert status == "ok" and 0 < val < 6
         assert tokens == steps * bs * T
@@ -56,7 +62,12 @@ def test_sweep_writes_one_row_per_run_with_exact_flops(swept):
         assert abs(train_flops - budget) <= 3 * fpt * bs * T / 2 + 1  # within half a step of the budget
         assert f6 == pytest.approx(6 * n * tokens)
         assert len(fp) >= 8 and device.startswith("cpu") and "torch" in versions
-    assert con.execute("SELECT count(*) FROM curves").fetchone()[0] > 6
+    routed = con.execute(
+        "SELECT arch, val_loss_causal, routing_stats FROM runs WHERE arch IN ('mod', 'mode', 'mode_integrated')"
+    ).fetchall()
+    for arch, causal, stats in routed:
+        assert stats is not None and causal is not None, arch
+    assert con.execute("SELECT count(*) FROM curves").fetchone()[0] > N_RUNS
     assert con.execute("SELECT count(DISTINCT budget) FROM frontier").fetchone()[0] == 2
     assert con.execute("SELECT count(*) FROM fits").fetchone()[0] > 0
 
@@ -72,9 +83,9 @@ def test_sweep_prints_report_paths_that_exist(swept):
 def test_rerun_skips_finished_runs(swept):
     d, _, second = swept
     assert second.returncode == 0, second.stderr[-2000:]
-    assert "6 already in" in second.stdout and "0 to run" in second.stdout
+    assert f"{N_RUNS} already in" in second.stdout and "0 to run" in second.stdout
     con = duckdb.connect(str(d / "r.db"), read_only=True)
-    assert con.execute("SELECT count(*) FROM runs").fetchone()[0] == 6
+    assert con.execute("SELECT count(*) FROM runs").fetchone()[0] == N_RUNS
 
 
 def test_display_settings_do_not_change_the_sweep():
@@ -98,7 +109,7 @@ def test_status_lists_the_sweep(swept, cli):
     assert r.returncode == 0, r.stderr
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("tiny-"))
     planned, ok, diverged, failed = line.split()[4:8]  # after sweep, preset, date, time
-    assert (planned, ok, diverged, failed) == ("6", "6", "0", "0")
+    assert (planned, ok, diverged, failed) == (str(N_RUNS), str(N_RUNS), "0", "0")
     missing = cli("sweeps", "status", "--db", str(d / "nope.db"))
     assert missing.returncode == 1 and "does not exist" in missing.stderr
 

@@ -131,6 +131,7 @@ def plot_frontier(fits: Mapping[str, IsoflopFit | None], out: str | os.PathLike)
     colors = sns.color_palette("tab10")
     valid = [(a, f) for a, f in sorted(fits.items()) if f is not None]
     for ax, (attr, ylabel, sym) in zip(axes, panels, strict=True):
+        drawn = False  # a log axis with no positive data cannot be drawn (e.g. one budget, no vertex)
         for i, (arch, fit) in enumerate(valid):
             color = colors[i % len(colors)]
             for p in fit.parabolas:
@@ -139,6 +140,7 @@ def plot_frontier(fits: Mapping[str, IsoflopFit | None], out: str | os.PathLike)
                     continue
                 face = color if p.vertex_inside else "none"
                 ax.scatter([p.budget], [v], s=30, facecolor=face, edgecolor=color, zorder=3)
+                drawn = True
             law: PowerLaw | None = getattr(fit, attr)
             if law is None:
                 ax.plot([], [], color=color, label=f"{arch}: no power law")
@@ -146,8 +148,10 @@ def plot_frontier(fits: Mapping[str, IsoflopFit | None], out: str | os.PathLike)
             cs = np.array(fit.budgets_used)
             grid = np.geomspace(cs.min() / 1.5, cs.max() * 1.5, 50)
             ax.plot(grid, law(grid), color=color, lw=1.5, label=f"{arch}: {sym} ∝ C^{_fmt_ci(law)}")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
+            drawn = True
+        if drawn:
+            ax.set_xscale("log")
+            ax.set_yscale("log")
         ax.set_xlabel("training compute C (FLOPs)")
         ax.set_ylabel(ylabel)
         ax.set_title(f"{sym}(C)")

@@ -106,3 +106,13 @@ def test_normalize_to_dense_and_mod_plot(tmp_path):
     assert out.read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(AnalysisError, match="no 'dense' runs"):
         normalize_to_dense(pts[pts["arch"] == "mod"])
+
+
+def test_run_all_draws_a_frontier_with_no_vertex_at_all(tmp_path):
+    # one budget whose losses are concave in ln N: no minimum, nothing positive for the log-log panels
+    db = tmp_path / "results.db"
+    rows = fake_runs("s1", "dense", budgets=(1e15,), sizes_per_budget=3)
+    rows = [dict(r, val_loss=loss) for r, loss in zip(rows, (2.0, 2.5, 2.7), strict=True)]
+    make_store(db, rows)
+    paths = run_all(db, "s1", tmp_path / "out", n_boot=5, parametric_boot=0)
+    assert paths["frontier_plot"].read_bytes()[:4] == b"\x89PNG"

@@ -188,3 +188,44 @@ def test_bad_dtype_and_half_depth():
         moda_attn(q, k, v, kd, None)
     with pytest.raises(ValueError):
         moda_attn(q, k, v, kd, vd, scale=-1.0)
+
+
+@pytest.mark.parametrize(
+    "dtype,acc_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16), (torch.float16, torch.float32)]
+)
+def test_depth_grads_added_into_buffer_views(dtype, acc_dtype):
+    """depth_grad_acc: dkd, dvd are ADDED into strided window views of larger gradient buffers that already
+    hold sums (kd, vd then get no gradient); the rest of each buffer is untouched; q, k, v grads as usual."""
+    B, Hk, G, T, S_max, lo, hi, D = 1, 2, 2, 33, 6, 1, 4, 16
+    q, k, v, _, _ = make(B, Hk, G, T, 0, D, dtype=dtype, seed=11)
+    g = torch.Generator().manual_seed(12)
+    kbuf, vbuf = (torch.randn(B, Hk, T, S_max, D, generator=g).to(DEV, dtype).requires_grad_() for _ in range(2))
+    init = [torch.randn(B, Hk, T, S_max, D, generator=g).to(DEV, acc_dtype) for _ in range(2)]
+    gk, gv = (t.clone() for t in init)
+    kd, vd = kbuf[:, :, :, lo:hi], vbuf[:, :, :, lo:hi]
+    o = moda_attn(q, k, v, kd, vd, depth_grad_acc=(gk[:, :, :, lo:hi], gv[:, :, :, lo:hi]))
+    do = torch.randn(o.shape, generator=g).to(o)
+    grads = torch.autograd.grad(o, (q, k, v, kbuf, vbuf), do, allow_unused=True)
+    assert grads[3] is None and grads[4] is None
+    o_ref = moda_attn_naive(q, k, v, kd, vd)
+    ref = torch.autograd.grad(o_ref, (q, k, v, kd, vd), do)
+    got = (o, *grads[:3], gk[:, :, :, lo:hi], gv[:, :, :, lo:hi])
+    want = (o_ref, *ref[:3], *(i[:, :, :, lo:hi] + r.to(acc_dtype) for i, r in zip(init, ref[3:], strict=True)))
+    if dtype == torch.float32:
+        check(got, want)
+    else:
+        for name, a, b in zip(NAMES, got, want, strict=True):
+            assert rel_err(a, b)[0] < 1e-2, name
+    for buf, i in zip((gk, gv), init, strict=True):
+        assert torch.equal(buf[:, :, :, :lo], i[:, :, :, :lo]) and torch.equal(buf[:, :, :, hi:], i[:, :, :, hi:])
+
+
+def test_depth_grad_acc_bad_args():
+    q, k, v, kd, vd = (t.detach() for t in make(1, 1, 2, 5, 2, 16))
+    ok = torch.zeros_like(kd)
+    strided = torch.zeros(1, 1, 5, 16, 2, device=DEV).transpose(3, 4)  # kd's shape, last stride 2
+    for acc in ((ok[:, :, :, :1], ok), (ok, ok.half()), (ok, strided)):
+        with pytest.raises(ValueError, match="depth_grad_acc"):
+            moda_attn(q, k, v, kd, vd, depth_grad_acc=acc)
+    with pytest.raises(ValueError, match="depth_grad_acc"):
+        moda_attn(q, k, v, depth_grad_acc=(ok, ok))

@@ -4,7 +4,8 @@ Layout (see op.py for the public contract):
     q, o, do, dq  [B, Hq, T, D]   contiguous
     k, v, dk, dv  [B, Hk, T, D]   contiguous
     kd, vd        [B, Hk, T, S, D] any strides with a unit last stride (e.g. a prefix view of a slot buffer)
-    dkd, dvd      [B, Hk, T, S, D] contiguous
+    dkd, dvd      [B, Hk, T, S, D] any strides with a unit last stride: fresh contiguous tensors, or the
+                  caller's buffers (views of a slot-gradient buffer) that the backward ADDS into
     lse, delta    [B, Hq, T] fp32; lse is kept in log2 units of the scaled logits (exp2 is the native op)
 
 The joint softmax splits exactly into two passes that share state through (m, l, acc):
@@ -217,6 +218,14 @@ def _depth_bwd(
     svh,
     svt,
     svs,
+    sdkb,
+    sdkh,
+    sdkt,
+    sdks,
+    sdvb,
+    sdvh,
+    sdvt,
+    sdvs,
     T,
     Hk,
     qk_scale,
@@ -228,6 +237,7 @@ def _depth_bwd(
     M: tl.constexpr,
     N: tl.constexpr,
     HAS_DEPTH: tl.constexpr,
+    ACC: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
@@ -273,10 +283,13 @@ def _depth_bwd(
         # the G heads of this group meet in the same columns: the matmul sums them
         dkd = tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PREC) * scale  # [N, D]
         dvd = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PREC)
-        # dkd/dvd are contiguous [B, Hk, T, S, D]
-        dd_off = ((b * Hk + hk) * T + cpos64) * (S * D) + (c % S) * D
-        tl.store(DKD + dd_off[:, None] + d[None, :], dkd.to(DKD.dtype.element_ty), mask=cvalid[:, None])
-        tl.store(DVD + dd_off[:, None] + d[None, :], dvd.to(DVD.dtype.element_ty), mask=cvalid[:, None])
+        dk_ptrs = DKD + (b * sdkb + hk * sdkh + cpos64 * sdkt + (c % S) * sdks)[:, None] + d[None, :]
+        dv_ptrs = DVD + (b * sdvb + hk * sdvh + cpos64 * sdvt + (c % S) * sdvs)[:, None] + d[None, :]
+        if ACC:  # add into the caller's buffers: each (position, slot) is this program's alone, so no atomics
+            dkd += tl.load(dk_ptrs, mask=cvalid[:, None], other=0.0).to(tl.float32)
+            dvd += tl.load(dv_ptrs, mask=cvalid[:, None], other=0.0).to(tl.float32)
+        tl.store(dk_ptrs, dkd.to(DKD.dtype.element_ty), mask=cvalid[:, None])
+        tl.store(dv_ptrs, dvd.to(DVD.dtype.element_ty), mask=cvalid[:, None])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -572,8 +585,12 @@ def moda_fwd(q, k, v, kd, vd, scale: float, cfg: Config):
     return o, lse
 
 
-def moda_bwd(do, q, k, v, kd, vd, o, lse, scale: float, cfg: Config):
-    """Backward launch; returns dq, dk, dv, dkd, dvd (dkd/dvd None when kd is None)."""
+def moda_bwd(do, q, k, v, kd, vd, o, lse, scale: float, cfg: Config, dkd_acc=None, dvd_acc=None):
+    """Backward launch; returns dq, dk, dv, dkd, dvd (dkd/dvd None when kd is None).
+
+    With ``dkd_acc``, ``dvd_acc`` (shaped like kd, vd; unit last stride; kd's dtype or fp32) the depth
+    gradients are ADDED into those in place (fp32 sum, one rounding) and dkd/dvd come back as None.
+    """
     B, Hq, T, D = q.shape
     Hk = k.shape[1]
     G = Hq // Hk
@@ -587,11 +604,10 @@ def moda_bwd(do, q, k, v, kd, vd, o, lse, scale: float, cfg: Config):
         dqd = torch.zeros((B, Hq, T, D), dtype=torch.float32, device=dev)
     else:
         dqd = _empty((B, Hq, T, D), torch.float32, dev) if S > 0 else delta
-    if kd is not None:
-        dkd = _empty((B, Hk, T, S, D), kd.dtype, dev)
-        dvd = _empty((B, Hk, T, S, D), vd.dtype, dev)
-    else:
-        dkd = dvd = None
+    acc = dkd_acc is not None
+    dkd, dvd = dkd_acc, dvd_acc
+    if kd is not None and not acc:  # fresh contiguous [B, Hk, T, S, D]
+        dkd, dvd = _empty(kd.shape, kd.dtype, dev), _empty(vd.shape, vd.dtype, dev)
     BT, M, N = _depth_tile(G, S, cfg.depth_m)
     LAST_COMPILED["_depth_bwd"] = _depth_bwd[(triton.cdiv(T, BT), B * Hk)](
         q,
@@ -606,6 +622,8 @@ def moda_bwd(do, q, k, v, kd, vd, o, lse, scale: float, cfg: Config):
         dvd if S > 0 else q,
         *(kd.stride()[:4] if S > 0 else (0, 0, 0, 0)),
         *(vd.stride()[:4] if S > 0 else (0, 0, 0, 0)),
+        *(dkd.stride()[:4] if S > 0 else (0, 0, 0, 0)),
+        *(dvd.stride()[:4] if S > 0 else (0, 0, 0, 0)),
         T,
         Hk,
         qk_scale,
@@ -617,6 +635,7 @@ def moda_bwd(do, q, k, v, kd, vd, o, lse, scale: float, cfg: Config):
         M=M,
         N=N,
         HAS_DEPTH=S > 0,
+        ACC=acc,
         DOT_PREC=prec,
         num_warps=cfg.depth_warps,
         num_stages=1,
@@ -675,7 +694,7 @@ def moda_bwd(do, q, k, v, kd, vd, o, lse, scale: float, cfg: Config):
             num_warps=w2,
             num_stages=st2,
         )
-    return dq, dk, dv, dkd, dvd
+    return (dq, dk, dv, None, None) if acc else (dq, dk, dv, dkd, dvd)
 
 
 def default_scale(D: int) -> float:

@@ -14,19 +14,20 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 class _MoDAAttn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, kd, vd, scale):
+    def forward(ctx, q, k, v, kd, vd, scale, dkd_acc, dvd_acc):
         cfg = _k.get_config(q.device, q.shape[-1], q.shape[2])
         o, lse = _k.moda_fwd(q, k, v, kd, vd, scale, cfg)
         ctx.save_for_backward(q, k, v, kd, vd, o, lse)
         ctx.scale = scale
         ctx.cfg = cfg
+        ctx.acc = (dkd_acc, dvd_acc)  # not inputs to differentiate: buffers the backward adds into
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, kd, vd, o, lse = ctx.saved_tensors
-        dq, dk, dv, dkd, dvd = _k.moda_bwd(do.contiguous(), q, k, v, kd, vd, o, lse, ctx.scale, ctx.cfg)
-        return dq, dk, dv, dkd, dvd, None
+        dq, dk, dv, dkd, dvd = _k.moda_bwd(do.contiguous(), q, k, v, kd, vd, o, lse, ctx.scale, ctx.cfg, *ctx.acc)
+        return dq, dk, dv, dkd, dvd, None, None, None
 
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
@@ -40,6 +41,7 @@ def moda_attn(
     kd: torch.Tensor | None = None,
     vd: torch.Tensor | None = None,
     scale: float | None = None,
+    depth_grad_acc: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Mixture-of-Depths attention: one softmax over causal sequence keys and same-position depth slots.
 
@@ -54,9 +56,13 @@ def moda_attn(
         kd: depth keys ``[B, Hk, T, S, D]``: the ``S`` slots written by earlier layers for each position.
             ``S = 0`` or ``None`` gives plain causal attention. Any strides with a unit last stride are
             used in place, so a prefix view ``buf[:, :, :, :n]`` of a preallocated slot buffer
-            ``[B, Hk, T, S_max, D]`` costs no copy (its gradient comes back as a contiguous tensor).
+            ``[B, Hk, T, S_max, D]`` costs no copy (its gradient comes back as a contiguous tensor, or is
+            added into ``depth_grad_acc``).
         vd: depth values, same shape as ``kd``.
         scale: logit scale, default ``1 / sqrt(D)``.
+        depth_grad_acc: ``(gkd, gvd)`` shaped like ``kd``, ``vd`` (unit last stride, ``kd``'s dtype or fp32,
+            not overlapping any input), e.g. the matching views of a slot-gradient buffer. The backward then
+            ADDS dL/dkd, dL/dvd into them in place (fp32 sum, one rounding), and kd, vd get no gradient here.
 
     Returns:
         ``o`` ``[B, Hq, T, D]`` in the input dtype (fp16, bf16 or fp32; all inputs share it).
@@ -95,6 +101,14 @@ def moda_attn(
             raise ValueError(f"kd {tuple(kd.shape)} and vd {tuple(vd.shape)} differ")
         if kd.shape[:3] != (B, Hk, T) or kd.shape[4] != D:
             raise ValueError(f"kd/vd {tuple(kd.shape)} must be [B, Hk, T, S, D] = [{B}, {Hk}, {T}, S, {D}]")
+    if depth_grad_acc is not None:
+        if kd is None:
+            raise ValueError("depth_grad_acc needs kd and vd")
+        for name, t, ref in zip(("gkd", "gvd"), depth_grad_acc, (kd, vd), strict=True):
+            if t.shape != ref.shape or t.device != ref.device or t.dtype not in (ref.dtype, torch.float32):
+                raise ValueError(f"depth_grad_acc {name}: {t.dtype} {tuple(t.shape)} on {t.device} does not match kd")
+            if t.stride(-1) != 1:
+                raise ValueError(f"depth_grad_acc {name} needs a unit last stride, got strides {t.stride()}")
     if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
         raise RuntimeError("moda_attn runs on CUDA (or on CPU with TRITON_INTERPRET=1); use moda_attn_naive")
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
@@ -108,4 +122,4 @@ def moda_attn(
         o = q.new_zeros(q.shape)
         # keep the graph connected so backward returns zeros of the right shapes
         return o + 0 * q.sum() if q.requires_grad else o
-    return _MoDAAttn.apply(q, k, v, kd, vd, scale)
+    return _MoDAAttn.apply(q, k, v, kd, vd, scale, *(depth_grad_acc or (None, None)))

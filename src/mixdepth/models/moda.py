@@ -110,79 +110,137 @@ def _alias(buf: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     return buf.new_empty(0).set_(buf.untyped_storage(), view.storage_offset(), view.shape, view.stride())
 
 
+class _SlotWrite(torch.autograd.Function):
+    """Slot i := (k, v); returns a token (empty tensor) that every read of slot i takes as an input.
+
+    Backward hands slot i's summed gradient to k and v, once per slot, as views of the gradient buffers.
+    The sum is complete then: autograd runs a node only after all nodes consuming its outputs, i.e. after
+    every read of slot i, and each read only after the attention that consumed it (which may have added
+    into the buffers itself). This holds for every slot kind and ``depth_window``: block l writes its
+    attention slot, then ``extra``, then ``ffn``, all after its own read, and only layers > l read them
+    (``depth_range(l)`` ends at l's first slot), so readers are later layers, whose backward runs first.
+    """
+
+    @staticmethod
+    def forward(ctx, store, i, k, v):
+        ctx.set_materialize_grads(False)  # the token's gradient is always None
+        store.k[:, :, :, i].copy_(k)
+        store.v[:, :, :, i].copy_(v)
+        ctx.grad = None if store.gk is None else (store.gk[:, :, :, i], store.gv[:, :, :, i])  # [B, Hk, T, hd]
+        return k.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _):
+        if ctx.grad is None:  # handed out already: a second backward would re-add into the same sums
+            raise RuntimeError("MoDA depth slots support one backward pass per forward pass")
+        (gk, gv), ctx.grad = ctx.grad, None
+        return None, None, gk, gv
+
+
 class _SlotRead(torch.autograd.Function):
-    """A zero-copy read of slots [lo, hi) whose gradient flows back to the tensors that were written there."""
+    """A zero-copy read of slots [lo, hi). Backward adds its gradient for all hi-lo slots into the gradient
+    buffers in one op per buffer (nothing when the kernel already did, in place: it then passes None) and
+    returns nothing per slot: each slot's write hands the sum on."""
 
     @staticmethod
-    def forward(ctx, buf, lo, hi, *srcs):
-        return _alias(buf, lo, hi)  # [B, Hk, T, hi-lo, hd]
+    def forward(ctx, store, lo, hi, grad, *tokens):
+        ctx.set_materialize_grads(False)
+        ctx.grad = grad
+        return _alias(store.k, lo, hi), _alias(store.v, lo, hi)  # [B, Hk, T, hi-lo, hd] each
 
     @staticmethod
-    def backward(ctx, g):
-        # g: [B, Hk, T, n, hd]; slot j's gradient is a view, no copy
-        grads = [g[:, :, :, j] if ctx.needs_input_grad[3 + j] else None for j in range(g.shape[3])]
-        return (None, None, None, *grads)
+    def backward(ctx, gkd, gvd):
+        for buf, g in zip(ctx.grad, (gkd, gvd), strict=True):
+            if g is not None:
+                buf.add_(g)
+        return (None,) * len(ctx.needs_input_grad)
 
 
 class DepthStore:
     """Preallocated depth K/V buffers ``[B, Hk, T, n_slots, hd]``, each slot written once, read as views.
 
     Memory is O(L) slots: the buffers hold each slot once, and reads are strided prefix (or window) views
-    handed to the attention (the Triton kernel reads them in place; its backward returns one contiguous
-    gradient per read, freed after that layer's backward). Autograd keeps the source K/V of each slot
-    alive as it would for any attention, so nothing scales with L^2. Buffers are allocated lazily on the
-    first write (dtype and shape of that slot); ``allocations`` counts them for the memory test.
+    handed to the attention (the Triton kernel reads them in place). With autograd on, two gradient buffers
+    of the same shape collect every read's depth gradient (one add per buffer and read, or none: the kernel
+    adds in place), and each slot's write hands its sum on once: O(L) ops per step, not one per (slot, read).
+    They use the slot dtype, not fp32: autograd summed these gradients in that dtype before (so no precision
+    is lost; the kernel even adds its fp32 values with one rounding per read), and bf16 halves their memory
+    and every read's add traffic. Buffers are allocated lazily on the first write (dtype and shape of that
+    slot); ``allocations`` counts them for the memory test: 2 slot buffers, plus 2 gradient buffers.
     """
 
     def __init__(self, n_slots: int):
         self.n_slots = n_slots
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
-        self.src_k: list[torch.Tensor | None] = [None] * n_slots
+        self.gk: torch.Tensor | None = None  # dL/dk, dL/dv of every slot, summed over its reads
+        self.gv: torch.Tensor | None = None
+        self.tokens: list[torch.Tensor | None] = [None] * n_slots
+        self.src_k: list[torch.Tensor | None] = [None] * n_slots  # the tensors written, for inspection
         self.src_v: list[torch.Tensor | None] = [None] * n_slots
         self.allocations = 0
 
     @torch.compiler.disable  # aliasing storage is opaque to aot_autograd: run store ops eagerly, graph-break
     def write(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [B, Hk, T, hd] into slot i."""
+        B, H, T, D = k.shape
+        shape = (B, H, T, self.n_slots, D)
         if self.k is None:
-            B, H, T, D = k.shape
-            self.k = k.new_empty(B, H, T, self.n_slots, D)  # [B, Hk, T, S_max, hd]
-            self.v = v.new_empty(B, H, T, self.n_slots, D)
+            self.k, self.v = k.new_empty(shape), v.new_empty(shape)
             self.allocations += 2
-        with torch.no_grad():
-            self.k[:, :, :, i].copy_(k)
-            self.v[:, :, :, i].copy_(v)
+        if self.gk is None and torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+            self.gk, self.gv = k.new_zeros(shape), v.new_zeros(shape)
+            self.allocations += 2
+        self.tokens[i] = _SlotWrite.apply(self, i, k, v)
         self.src_k[i], self.src_v[i] = k, v
 
     @torch.compiler.disable
-    def read(self, lo: int, hi: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Slots [lo, hi) as ``[B, Hk, T, hi-lo, hd]`` views of the buffers, or (None, None) when empty."""
+    def read(self, lo: int, hi: int) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple | None]:
+        """Slots [lo, hi) as ``[B, Hk, T, hi-lo, hd]`` views kd, vd of the buffers, and the matching views
+        (gk, gv) of the gradient buffers (None without autograd), where an attention may add kd's and vd's
+        gradients itself instead of returning them; (None, None, None) when empty."""
         if hi <= lo:
-            return None, None
-        assert all(t is not None for t in self.src_k[lo:hi]), "reading an unwritten depth slot"
-        return _SlotRead.apply(self.k, lo, hi, *self.src_k[lo:hi]), _SlotRead.apply(self.v, lo, hi, *self.src_v[lo:hi])
+            return None, None, None
+        assert all(t is not None for t in self.tokens[lo:hi]), "reading an unwritten depth slot"
+        grad = None if self.gk is None else (self.gk[:, :, :, lo:hi], self.gv[:, :, :, lo:hi])
+        return *_SlotRead.apply(self, lo, hi, grad, *self.tokens[lo:hi]), grad
 
 
 # ---- attention ----------------------------------------------------------------------------------------
+_SDPA_GQA = torch.__version__ >= "2.5"  # SDPA's enable_gqa (the model supports torch 2.4+)
+
+
 def _kernel_ok(q: torch.Tensor, impl: str) -> bool:
     D = q.shape[-1]
     return q.is_cuda and impl != "naive" and 16 <= D <= 256 and D & (D - 1) == 0
 
 
-def joint_attention(q, k, v, kd, vd, impl: str) -> torch.Tensor:
+def joint_attention(q, k, v, kd, vd, impl: str, depth_grad: tuple | None = None) -> torch.Tensor:
     """One softmax over causal sequence K/V and same-position depth slots.
 
     q: [B, Hq, T, hd]; k, v: [B, Hk, T, hd]; kd, vd: [B, Hk, T, S, hd] or None -> [B, Hq, T, hd].
-    The Triton kernel on CUDA (head dims it supports), the fp32 reference otherwise (CPU, FLOP counting).
+    The Triton kernel on CUDA (head dims it supports), the fp32 reference otherwise (CPU, FLOP counting);
+    without slots (layer 0) SDPA's fused causal kernels unless ``impl='naive'``. ``depth_grad``: (gk, gv)
+    shaped like kd, vd, into which the kernel adds kd's and vd's gradients in place (they then flow back as
+    None); the other paths ignore it and return those gradients through autograd.
     """
     # imported here, not at module import: Triton fixes interpret mode when kernel.py is imported, and
     # importing mixdepth.models must not do that before a CPU test sets TRITON_INTERPRET=1
-    from kernels.moda_attn import moda_attn, moda_attn_naive
+    from kernels.moda_attn import moda_attn_naive
 
+    gqa = q.shape[1] != k.shape[1]
+    if kd is None and impl != "naive" and (not gqa or _SDPA_GQA):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **({"enable_gqa": True} if gqa else {}))
     if _kernel_ok(q, impl):
-        return moda_attn(q, k, v, kd, vd)
+        return _kernel_attention(q, k, v, kd, vd, depth_grad)
     return moda_attn_naive(q, k, v, kd, vd)
+
+
+@torch.compiler.disable  # its backward adds into the gradient-buffer views in place: keep it out of aot_autograd
+def _kernel_attention(q, k, v, kd, vd, depth_grad: tuple | None) -> torch.Tensor:
+    from kernels.moda_attn import moda_attn
+
+    return moda_attn(q, k, v, kd, vd, depth_grad_acc=depth_grad)
 
 
 def cached_joint_attention(q, k, v, kd, vd, start: int) -> torch.Tensor:
@@ -253,9 +311,9 @@ class MoDABlock(nn.Module):
         h = self.norm1(x) if self.pre else x
         q, k, v = self.attn.qkv(h, rope, pos)
         q, k = q.to(v.dtype), k.to(v.dtype)  # QK-norm's fp32 weight can promote q, k under autocast
-        kd, vd = store.read(*self.reads)
+        kd, vd, dkv = store.read(*self.reads)
         if cache is None:
-            y = joint_attention(q, k, v, kd, vd, self.impl)
+            y = joint_attention(q, k, v, kd, vd, self.impl, dkv)
         else:
             kc, vc = cache
             kc[:, :, start : start + T], vc[:, :, start : start + T] = k, v

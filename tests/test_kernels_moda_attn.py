@@ -191,7 +191,14 @@ def test_bad_dtype_and_half_depth():
 
 
 @pytest.mark.parametrize(
-    "dtype,acc_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16), (torch.float16, torch.float32)]
+    "dtype,acc_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.float16, torch.float16),
+        (torch.float16, torch.float32),
+        # the model's bf16 slot-gradient buffers (the interpreter's bf16 tl.dot is wrong: GPU only)
+        pytest.param(torch.bfloat16, torch.bfloat16, marks=pytest.mark.skipif(DEV != "cuda", reason="bf16 on GPU")),
+    ],
 )
 def test_depth_grads_added_into_buffer_views(dtype, acc_dtype):
     """depth_grad_acc: dkd, dvd are ADDED into strided window views of larger gradient buffers that already
@@ -215,7 +222,7 @@ def test_depth_grads_added_into_buffer_views(dtype, acc_dtype):
         check(got, want)
     else:
         for name, a, b in zip(NAMES, got, want, strict=True):
-            assert rel_err(a, b)[0] < 1e-2, name
+            assert rel_err(a, b)[0] < (2e-2 if dtype == torch.bfloat16 else 1e-2), name
     for buf, i in zip((gk, gv), init, strict=True):
         assert torch.equal(buf[:, :, :, :lo], i[:, :, :, :lo]) and torch.equal(buf[:, :, :, hi:], i[:, :, :, hi:])
 

@@ -207,9 +207,6 @@ class DepthStore:
 
 
 # ---- attention ----------------------------------------------------------------------------------------
-_SDPA_GQA = torch.__version__ >= "2.5"  # SDPA's enable_gqa (the model supports torch 2.4+)
-
-
 def _kernel_ok(q: torch.Tensor, impl: str) -> bool:
     D = q.shape[-1]
     return q.is_cuda and impl != "naive" and 16 <= D <= 256 and D & (D - 1) == 0
@@ -228,9 +225,8 @@ def joint_attention(q, k, v, kd, vd, impl: str, depth_grad: tuple | None = None)
     # importing mixdepth.models must not do that before a CPU test sets TRITON_INTERPRET=1
     from kernels.moda_attn import moda_attn_naive
 
-    gqa = q.shape[1] != k.shape[1]
-    if kd is None and impl != "naive" and (not gqa or _SDPA_GQA):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **({"enable_gqa": True} if gqa else {}))
+    if kd is None and impl != "naive":  # no depth slots (layer 0): plain causal attention
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
     if _kernel_ok(q, impl):
         return _kernel_attention(q, k, v, kd, vd, depth_grad)
     return moda_attn_naive(q, k, v, kd, vd)

@@ -37,7 +37,7 @@ def identity(lab: LabConfig) -> dict:
     """The config that defines results: everything but how runs are displayed and scheduled."""
     d = asdict(lab)
     d["train"].pop("progress")
-    d["sweep"].pop("workers", None)
+    d["sweep"].pop("workers")
     return d
 
 

@@ -248,13 +248,15 @@ class MoDLM(DenseLM):
 
     @torch.no_grad()
     def eval_sums(self, idx: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Additive sums: LM loss under top-k and causal routing; per causal rule (aux, mlp) the confusion of
-        its decision vs top-k membership on the top-k pass; routed token-layer slots under both routings."""
+        """Additive sums: LM loss under top-k and (with a MoD router) causal routing; per causal rule (aux,
+        mlp) the confusion of its decision vs top-k membership on the top-k pass; routed token-layer slots
+        under both routings."""
         n = targets.numel()
         loss, infos = self._lm(idx, targets, "topk")
-        loss_c, cinfos = self._lm(idx, targets, "causal")
-        out = {"loss_sum": loss * n, "loss_causal_sum": loss_c * n, "tokens": torch.tensor(n)}
-        if infos:
+        out = {"loss_sum": loss * n, "tokens": torch.tensor(n)}
+        if infos:  # with no MoD router (integrated MoDE) causal routing would repeat the same pass
+            loss_c, cinfos = self._lm(idx, targets, "causal")
+            out["loss_causal_sum"] = loss_c * n
             out["route_slots"] = torch.tensor(n * len(infos))
             out["topk_routed"] = sum(i.taken.sum() for i in infos)
             out["causal_routed"] = sum(i.taken.sum() for i in cinfos)
@@ -267,10 +269,9 @@ class MoDLM(DenseLM):
     def eval_summary(self, sums: dict[str, float]) -> dict[str, float]:
         """val_loss, val_loss_causal; predictor_accuracy / precision / recall of the configured causal rule
         (also per rule: aux_*, mlp_*), realised_capacity (causal routing) and topk_capacity (k/T)."""
-        out = {
-            "val_loss": sums["loss_sum"] / sums["tokens"],
-            "val_loss_causal": sums["loss_causal_sum"] / sums["tokens"],
-        }
+        out = {"val_loss": sums["loss_sum"] / sums["tokens"]}
+        if "loss_causal_sum" in sums:
+            out["val_loss_causal"] = sums["loss_causal_sum"] / sums["tokens"]
         slots = sums.get("route_slots", 0)
         if not slots:  # no routed layer at this depth: nothing to report (no NaN into the JSON column)
             return out

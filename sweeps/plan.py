@@ -53,13 +53,15 @@ def plan(lab: LabConfig, conf_dir: Path, sid: str) -> tuple[list[Trial], list[st
     trials, notes = [], []
     ident = identity(lab)
     for arch in s.archs:
-        models = []
+        models, dense_like = [], {}
         for shape in s.ladder:
             m = model_config(lab, arch, shape, conf_dir)
             if why := m.same_as_dense():
-                notes.append(f"{arch} d={shape.d_model} L={shape.n_layers}: {why}, the dense model; left out")
+                dense_like.setdefault(why, []).append(f"d={shape.d_model} L={shape.n_layers}")
             else:
                 models.append((shape, m))
+        for why, shapes in dense_like.items():  # one note per reason, not one per shape
+            notes.append(f"{arch} {', '.join(shapes)}: {why}, the dense model; left out")
         if not models:
             raise ConfigError(f"no sweep.ladder shape suits {arch}: {notes[-1]}")
         for budget in s.budgets:

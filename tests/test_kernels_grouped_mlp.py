@@ -134,7 +134,8 @@ def test_schedule_covers_each_row_once():
     exp = torch.randint(-1, 6, (100,), generator=g)  # E = 5, so 5 and -1 are no-ops
     rt = gk.build_routing(torch.zeros(100, dtype=torch.int64), exp, torch.ones(100), 1, 5, 16)
     owner = torch.full((100,), -1)
-    for e, r0 in zip(rt.tile_e.tolist(), rt.tile_r.tolist(), strict=True):
+    tile_e, tile_r = rt.schedule(16)
+    for e, r0 in zip(tile_e.tolist(), tile_r.tolist(), strict=True):
         if e < 0:
             continue
         rows = torch.arange(r0, min(r0 + 16, int(rt.off[e + 1])))

@@ -69,11 +69,14 @@ class GmmConfig:
         for site, over in self.sites.items():
             if site not in SITES or not set(over) <= names:
                 raise ValueError(f"bad override {site}: {dict(over)} (sites {SITES}, fields {sorted(names)})")
+        # resolved once here, not on every launch: at() is on the host path of each kernel call
+        plain = replace(self, sites={}) if self.sites else self
+        object.__setattr__(self, "_plain", plain)
+        object.__setattr__(self, "_by_site", {s: replace(plain, **o) for s, o in self.sites.items()})
 
     def at(self, site: str | None, dtype: torch.dtype) -> GmmConfig:
         """The uniform tiles with the overrides of ``site`` (16-bit ``dtype`` only) applied."""
-        over = self.sites.get(site, {}) if site is not None and dtype.itemsize <= 2 else {}
-        return replace(self, sites={}, **over) if self.sites else self
+        return self._by_site.get(site, self._plain) if dtype.itemsize <= 2 else self._plain
 
     def block_ms(self, dtype: torch.dtype) -> tuple[int, ...]:
         """The distinct ``block_m`` of the gmm sites (each needs its own tile schedule)."""
@@ -275,18 +278,15 @@ class Routing:
         tok: ``[M]`` token of each sorted row; -1 for no-op rows (so the scatter skips them).
         w: ``[M]`` router weight of each sorted row.
         off: ``[E + 1]`` int64 row offsets; expert e owns sorted rows ``[off[e], off[e + 1])``.
-        tile_e: ``[T]`` int32 expert of each GEMM tile, -1 for surplus tiles (schedule of the first block_m).
-        tile_r: ``[T]`` int64 first sorted row of each tile.
         seg_order, seg: CSR view of ``tok`` over tokens (``build_segments`` of route_gather_scatter).
-        tiles: ``{block_m: (tile_e, tile_r)}`` for every block_m built so far (see ``schedule``).
+        tiles: ``{block_m: (tile_e, tile_r)}`` for every block_m built so far (see ``schedule``): tile_e
+            ``[T]`` int32 expert of each GEMM tile, -1 for surplus tiles; tile_r ``[T]`` its first sorted row.
     """
 
     perm: torch.Tensor
     tok: torch.Tensor
     w: torch.Tensor
     off: torch.Tensor
-    tile_e: torch.Tensor
-    tile_r: torch.Tensor
     seg_order: torch.Tensor
     seg: torch.Tensor
     tiles: dict[int, tuple[torch.Tensor, torch.Tensor]]
@@ -334,7 +334,7 @@ def build_routing(
     bms = (block_m,) if isinstance(block_m, int) else tuple(block_m)
     tiles = {bm: _schedule(off, m, bm) for bm in bms}
     order, seg = build_segments(tok, n_tok)
-    return Routing(perm, tok, w, off, *tiles[bms[0]], order, seg, tiles)
+    return Routing(perm, tok, w, off, order, seg, tiles)
 
 
 def gmm(

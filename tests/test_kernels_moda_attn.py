@@ -82,14 +82,13 @@ def test_matches_reference_fp32(B, Hk, G, T, S, D):
     check(got, ref)
 
 
-def test_block_shapes_and_atomic_dq():
-    """Unequal tiles (several key blocks per diagonal) and the atomic-dq backward variant."""
-    inputs = make(1, 1, 2, 70, 3, 16, seed=3)
+def test_depth_tiles():
+    """Many positions per program (ragged last tile) and one position per program (rows < G)."""
+    inputs = make(1, 1, 6, 70, 3, 16, seed=3)
     try:
-        K.set_config(K.Config(fwd=(32, 16, 1, 1), dkdv=(16, 32, 1, 1), dq=(32, 16, 1, 1), depth_warps=1))
-        check(*run_both(inputs))
-        K.set_config(K.Config(fwd=(16, 16, 1, 1), dkdv=(16, 32, 1, 1), depth_m=32, depth_warps=1, dq_atomic=True))
-        check(*run_both(inputs))
+        for cfg in (K.Config(rows=64, warps=1), K.Config(rows=4, warps=1)):
+            K.set_config(cfg)
+            check(*run_both(inputs))
     finally:
         K.set_config(None)
 
@@ -236,3 +235,32 @@ def test_depth_grad_acc_bad_args():
             moda_attn(q, k, v, kd, vd, depth_grad_acc=acc)
     with pytest.raises(ValueError, match="depth_grad_acc"):
         moda_attn(q, k, v, depth_grad_acc=(ok, ok))
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="the CUDA sequence backends")
+@pytest.mark.parametrize("backend", ["cudnn", "flash"])
+@pytest.mark.parametrize("B,Hk,G,T,S,D", [(2, 2, 3, 333, 5, 64), (1, 1, 4, 130, 2, 128), (1, 3, 1, 64, 1, 64)])
+def test_bf16_sequence_backends_gpu(backend, B, Hk, G, T, S, D):
+    """bf16 on the GPU with each half-precision sequence backend: rel-L2 <= 1e-2 vs the fp32 reference."""
+    from kernels.moda_attn import seq
+
+    ins = make(B, Hk, G, T, S, D, dtype=torch.bfloat16, seed=13)
+    seq.set_backend(backend)
+    try:
+        o = moda_attn(*ins)
+        do = torch.randn(o.shape, generator=torch.Generator().manual_seed(14)).to(o)
+        got = (o, *torch.autograd.grad(o, ins, do))
+    finally:
+        seq.set_backend(None)
+    ref_in = [t.detach().float().requires_grad_() for t in ins]
+    o_ref = moda_attn_naive(*ref_in)
+    ref = (o_ref, *torch.autograd.grad(o_ref, ref_in, do.float()))
+    for name, a, b in zip(NAMES, got, ref, strict=True):
+        assert rel_err(a, b)[0] <= 1e-2, (name, rel_err(a, b))
+
+
+def test_unknown_sequence_backend():
+    from kernels.moda_attn import seq
+
+    with pytest.raises(ValueError, match="sequence backend"):
+        seq.set_backend("magic")

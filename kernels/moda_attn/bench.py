@@ -3,7 +3,8 @@
 Workload: forward + backward (``o.backward(do)``), bf16, the paper's Table 2 shapes by default
 (B=1, D=64, Hq=64, Hk=8, S=L=64 depth slots). Peers, timed side by side in one process:
 
-* ``moda_triton``: this kernel (sequence causal + depth slots, one softmax);
+* ``moda``: this op (sequence causal + depth slots, one softmax): torch's cuDNN attention for the sequence
+  part merged with the Triton depth kernels; ``moda_flash``: the same with the flash sequence backend;
 * ``sdpa_flash`` / ``sdpa_cudnn``: torch SDPA, plain causal attention WITHOUT depth (a lower bound for the
   sequence part), via ``torch.nn.attention.sdpa_kernel``;
 * ``flex_moda``: FlexAttention with a MoDA mask: the depth K/V concatenated after the sequence K/V on the key
@@ -22,6 +23,7 @@ from collections.abc import Callable
 import torch
 
 from kernels.moda_attn.naive import moda_attn_naive
+from kernels.moda_attn import seq
 from kernels.moda_attn.op import moda_attn
 
 __all__ = ["bench_moda_attn", "check_moda_attn", "SDPA_FLASH_REF_MS", "SDPA_CUDNN_REF_MS", "BAR"]
@@ -89,9 +91,13 @@ def check_moda_attn(
     return rows
 
 
-def _moda_fn(ins, do) -> Callable[[], None]:
+def _moda_fn(ins, do, backend: str | None) -> Callable[[], None]:
     def fn():
-        moda_attn(*ins).backward(do)
+        seq.set_backend(backend)
+        try:
+            moda_attn(*ins).backward(do)
+        finally:
+            seq.set_backend(None)
 
     return fn
 
@@ -159,7 +165,7 @@ def bench_moda_attn(
     dtype: torch.dtype = torch.bfloat16,
     device: str = "cuda",
     check_shapes=((1, 64, 8, 1000, 64, 64), (2, 6, 2, 77, 3, 128)),
-    peers=("moda_triton", "sdpa_flash", "sdpa_cudnn", "flex_moda"),
+    peers=("moda", "moda_flash", "sdpa_flash", "sdpa_cudnn", "flex_moda"),
     flex_max_T: int | None = None,
     warmup_ms: float = 50,
     rep_ms: float = 300,
@@ -194,9 +200,9 @@ def bench_moda_attn(
         for provider in peers:
             note, ms = "", math.nan
             try:
-                if provider == "moda_triton":
-                    fn = _moda_fn(ins, do)
-                    note = "sequence causal + depth slots"
+                if provider in ("moda", "moda_flash"):
+                    fn = _moda_fn(ins, do, "flash" if provider == "moda_flash" else None)
+                    note = f"sequence causal ({'flash' if provider == 'moda_flash' else 'cudnn'}) + depth slots"
                 elif provider == "sdpa_flash":
                     fn, note = _sdpa_fn(SDPBackend.FLASH_ATTENTION, q, k, v, do)
                     note = "no depth " + note
@@ -248,7 +254,7 @@ def summary_table(rows: list[dict[str, object]]) -> str:
     for T, pr in sorted(by_t.items()):
         r0 = next(iter(pr.values()))
         floor = depth_floor_ms(r0["B"], r0["Hk"], T, r0["S"], r0["D"])
-        ours, fl, cu = (pr.get(p, {}).get("ms", math.nan) for p in ("moda_triton", "sdpa_flash", "sdpa_cudnn"))
+        ours, fl, cu = (pr.get(p, {}).get("ms", math.nan) for p in ("moda", "sdpa_flash", "sdpa_cudnn"))
         ratio = ours / fl if fl == fl and ours == ours else math.nan
         bar = BAR.get(T)
         bar_s = f"{bar:.3f} ({'met' if ratio <= bar else 'MISSED'})" if bar and ratio == ratio else "-"
@@ -268,7 +274,7 @@ def add_args(p) -> None:
     p.add_argument("--D", type=int, default=64)
     p.add_argument("--S", type=int, default=64, help="depth slots per position (L in the paper)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--peers", nargs="+", default=["moda_triton", "sdpa_flash", "sdpa_cudnn", "flex_moda"])
+    p.add_argument("--peers", nargs="+", default=["moda", "moda_flash", "sdpa_flash", "sdpa_cudnn", "flex_moda"])
     p.add_argument("--flex-max-T", type=int, default=None, help="skip FlexAttention above this T")
     p.add_argument("--no-check", action="store_true", help="skip the bf16-vs-fp32-reference check")
 

@@ -1,4 +1,5 @@
-"""Public MoDA attention op: autograd wrapper over the Triton kernels in kernel.py."""
+"""Public MoDA attention op: a fused causal sequence attention (seq.py) merged with the Triton depth kernels
+(kernel.py) through the log-sum-exp, as one autograd function."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import torch
 
 from . import kernel as _k
+from . import seq as _seq
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -15,18 +17,27 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 class _MoDAAttn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, kd, vd, scale, dkd_acc, dvd_acc):
-        cfg = _k.get_config(q.device, q.shape[-1], q.shape[2])
-        o, lse = _k.moda_fwd(q, k, v, kd, vd, scale, cfg)
+        backend = _seq.backend_for(q)
+        o, lse, aux = _seq.seq_fwd(q, k, v, scale, backend)
+        cfg = _k.get_config(q.device, q.shape[-1])
+        if kd is not None and kd.shape[3] > 0:
+            _k.depth_fwd(q, kd, vd, o, lse, scale, cfg)  # o, lse become the joint ones
         ctx.save_for_backward(q, k, v, kd, vd, o, lse)
-        ctx.scale = scale
-        ctx.cfg = cfg
+        ctx.scale, ctx.cfg, ctx.backend, ctx.aux = scale, cfg, backend, aux
         ctx.acc = (dkd_acc, dvd_acc)  # not inputs to differentiate: buffers the backward adds into
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, kd, vd, o, lse = ctx.saved_tensors
-        dq, dk, dv, dkd, dvd = _k.moda_bwd(do.contiguous(), q, k, v, kd, vd, o, lse, ctx.scale, ctx.cfg, *ctx.acc)
+        do = do.contiguous()
+        dq, dk, dv = _seq.seq_bwd(do, q, k, v, o, lse, ctx.aux, ctx.scale, ctx.backend)
+        dkd = dvd = None
+        if kd is not None and kd.shape[3] > 0:
+            dq = dq.contiguous()
+            dkd, dvd = _k.depth_bwd(q, o, do, lse, dq, kd, vd, ctx.scale, ctx.cfg, *ctx.acc)
+        elif kd is not None and ctx.acc[0] is None:  # S = 0 slots: empty gradients
+            dkd, dvd = torch.zeros_like(kd), torch.zeros_like(vd)
         return dq, dk, dv, dkd, dvd, None, None, None
 
 
@@ -68,8 +79,9 @@ def moda_attn(
         ``o`` ``[B, Hq, T, D]`` in the input dtype (fp16, bf16 or fp32; all inputs share it).
         Differentiable w.r.t. q, k, v, kd, vd.
 
-    Runs on CUDA, or on CPU under ``TRITON_INTERPRET=1`` (slow; tests only). Accumulation is fp32; fp32
-    inputs use exact fp32 products. ``kernels.moda_attn.moda_attn_naive`` is the readable reference.
+    The sequence part runs on torch's fused causal attention (cuDNN for fp16/bf16 on CUDA; see seq.py), the
+    depth part on the Triton kernels; on CPU both need ``TRITON_INTERPRET=1`` (slow; tests only). Depth
+    products and accumulation are fp32. ``kernels.moda_attn.moda_attn_naive`` is the readable reference.
     """
     if (kd is None) != (vd is None):
         raise ValueError("kd and vd must both be given or both be None")

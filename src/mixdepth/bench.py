@@ -136,7 +136,7 @@ def bench_step(args) -> None:
             d_model=d,
             n_layers=args.n_layers,
             n_heads=d // 64,
-            n_kv_heads=d // 64,
+            n_kv_heads=args.kv_heads or d // 64,
             seq_len=T,
             vocab_size=args.vocab,
             tie_embeddings=True,
@@ -186,7 +186,7 @@ def bench_step(args) -> None:
         torch.cuda.empty_cache()
     base = rows[0]
     print(
-        f"d_model {d}, {args.n_layers} layers, T {T}, batch {args.batch_size}, vocab {args.vocab}, bf16 autocast,"
+        f"d_model {d}, {args.n_layers} layers, {d // 64} heads, {args.kv_heads or d // 64} KV heads, T {T}, batch {args.batch_size}, vocab {args.vocab}, bf16 autocast,"
         " fused AdamW,"
         f" compile {args.compile}, {torch.cuda.get_device_name(0)}, torch {torch.__version__}"
     )
@@ -222,6 +222,7 @@ def main() -> None:
     sp.add_argument("--seq-len", type=int, default=2048)
     sp.add_argument("--batch-size", type=int, default=8)
     sp.add_argument("--steps", type=int, default=20)
+    sp.add_argument("--kv-heads", type=int, default=0, help="KV heads (GQA); 0 = as many as query heads (d/64)")
     sp.add_argument("--vocab", type=int, default=50304, help="vocabulary (tied embeddings); 256 = byte-level")
     sp.add_argument("--compile", action="store_true", help="torch.compile every model")
     sp.add_argument("--profile", type=int, default=0, help="print the N heaviest GPU kernels per arch")

@@ -216,8 +216,9 @@ def joint_attention(q, k, v, kd, vd, impl: str, depth_grad: tuple | None = None)
     """One softmax over causal sequence K/V and same-position depth slots.
 
     q: [B, Hq, T, hd]; k, v: [B, Hk, T, hd]; kd, vd: [B, Hk, T, S, hd] or None -> [B, Hq, T, hd].
-    The Triton kernel on CUDA (head dims it supports), the fp32 reference otherwise (CPU, FLOP counting);
-    without slots (layer 0) SDPA's fused causal kernels unless ``impl='naive'``. ``depth_grad``: (gk, gv)
+    On CUDA (head dims it supports) the ``moda_attn`` op (torch's fused causal attention merged with the
+    Triton depth kernels), the fp32 reference otherwise (CPU, FLOP counting); without slots (layer 0) SDPA's
+    fused causal kernels unless ``impl='naive'``. ``depth_grad``: (gk, gv)
     shaped like kd, vd, into which the kernel adds kd's and vd's gradients in place (they then flow back as
     None); the other paths ignore it and return those gradients through autograd.
     """
@@ -228,15 +229,23 @@ def joint_attention(q, k, v, kd, vd, impl: str, depth_grad: tuple | None = None)
     if kd is None and impl != "naive":  # no depth slots (layer 0): plain causal attention
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
     if _kernel_ok(q, impl):
-        return _kernel_attention(q, k, v, kd, vd, depth_grad)
+        from kernels.moda_attn import moda_attn
+
+        return moda_attn(q, k, v, kd, vd, depth_grad_acc=depth_grad)
     return moda_attn_naive(q, k, v, kd, vd)
 
 
-@torch.compiler.disable  # its backward adds into the gradient-buffer views in place: keep it out of aot_autograd
-def _kernel_attention(q, k, v, kd, vd, depth_grad: tuple | None) -> torch.Tensor:
-    from kernels.moda_attn import moda_attn
+@torch.compiler.disable  # the store's aliased views and in-place gradient adds are opaque to aot_autograd
+def depth_attention(store: DepthStore, q, k, v, reads: tuple[int, int], writes: list, impl: str) -> torch.Tensor:
+    """Write ``writes`` [(slot, k, v)] into the store, then joint attention of q over k, v and slots ``reads``.
 
-    return moda_attn(q, k, v, kd, vd, depth_grad_acc=depth_grad)
+    One eager island per block under torch.compile (one graph break), rather than one per store operation.
+    Writing before reading is safe: a block reads only slots written by earlier blocks (``depth_range``).
+    """
+    for i, sk, sv in writes:
+        store.write(i, sk, sv)
+    kd, vd, dkv = store.read(*reads)
+    return joint_attention(q, k, v, kd, vd, impl, dkv)
 
 
 def cached_joint_attention(q, k, v, kd, vd, start: int) -> torch.Tensor:
@@ -300,30 +309,34 @@ class MoDABlock(nn.Module):
         self.extra_kv = kv() if self.slot.get("extra") is not None else None
         self.ffn_kv = kv() if self.slot.get("ffn") is not None else None
 
-    def forward(self, x, rope, store: DepthStore, pos=None, cache: tuple | None = None, start: int = 0):
-        """x: [B, T, D] -> [B, T, D]. With ``cache`` = (k_cache, v_cache) [B, Hk, T_max, hd], x holds positions
-        start..start+T-1 and attends over the cached prefix; ``store`` then holds only this chunk's slots."""
+    def forward(self, x, rope, store: DepthStore, pos=None, cache: tuple | None = None, start: int = 0, pending=()):
+        """x: [B, T, D] -> (x [B, T, D], slot writes left for the next block). ``pending``: the previous block's
+        FFN slot writes, done by this block's attention island (see ``depth_attention``). With ``cache`` =
+        (k_cache, v_cache) [B, Hk, T_max, hd], x holds positions start..start+T-1 and attends over the cached
+        prefix; ``store`` then holds only this chunk's slots."""
         B, T, D = x.shape
         h = self.norm1(x) if self.pre else x
         q, k, v = self.attn.qkv(h, rope, pos)
         q, k = q.to(v.dtype), k.to(v.dtype)  # QK-norm's fp32 weight can promote q, k under autocast
-        kd, vd, dkv = store.read(*self.reads)
+        writes = list(pending)
+        if self.slot["attn"] is not None:
+            writes.append((self.slot["attn"], k, v))
+        if self.extra_kv is not None:
+            writes.append((self.slot["extra"], *self.extra_kv(h, rope, pos)))
         if cache is None:
-            y = joint_attention(q, k, v, kd, vd, self.impl, dkv)
+            y = depth_attention(store, q, k, v, self.reads, writes, self.impl)
         else:
+            for w in writes:
+                store.write(*w)
+            kd, vd, _ = store.read(*self.reads)
             kc, vc = cache
             kc[:, :, start : start + T], vc[:, :, start : start + T] = k, v
             y = cached_joint_attention(q, kc[:, :, : start + T], vc[:, :, : start + T], kd, vd, start)
-        if self.slot["attn"] is not None:
-            store.write(self.slot["attn"], k, v)
-        if self.extra_kv is not None:
-            store.write(self.slot["extra"], *self.extra_kv(h, rope, pos))
         a = self.attn.wo(y.transpose(1, 2).reshape(B, T, D))
         x = x + a if self.pre else self.norm1(x + a)
         h = self.norm2(x) if self.pre else x  # the FFN input, projected into this block's FFN slot
-        if self.ffn_kv is not None:
-            store.write(self.slot["ffn"], *self.ffn_kv(h, rope, pos))
-        return x + self.mlp(h) if self.pre else self.norm2(x + self.mlp(h))
+        pending = [(self.slot["ffn"], *self.ffn_kv(h, rope, pos))] if self.ffn_kv is not None else []
+        return (x + self.mlp(h) if self.pre else self.norm2(x + self.mlp(h))), pending
 
 
 class MoDALM(DenseLM):
@@ -341,8 +354,9 @@ class MoDALM(DenseLM):
         pos = None
         if cache is not None:
             pos = torch.arange(start, start + idx.shape[1], device=idx.device).expand(idx.shape[0], -1)  # [B, T]
+        pending = []
         for i, block in enumerate(self.blocks):
-            x = block(x, self.rope, store, pos, None if cache is None else cache[i], start)
+            x, pending = block(x, self.rope, store, pos, None if cache is None else cache[i], start, pending)
         return x, store
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(LOG2E)  # the kernels' copy: Triton reads only constexpr globals
 
 
 @triton.jit
@@ -82,7 +83,7 @@ def _depth_fwd(
     ptr = rows[:, :, None] * D + d[None, None, :]  # [BT, GP, D]
     q = tl.load(Q + ptr, mask=valid[:, :, None], other=0.0).to(tl.float32)
     acc = tl.load(O + ptr, mask=valid[:, :, None], other=0.0).to(tl.float32)  # the sequence output
-    m = tl.load(LSE + rows, mask=valid, other=0.0) * LOG2E  # its lse: the state after the sequence keys
+    m = tl.load(LSE + rows, mask=valid, other=0.0) * _LOG2E  # its lse: the state after the sequence keys
     l = tl.full([BT, GP], 1.0, tl.float32)
     tmask = (t < T)[:, None]
     kd_ptr = KD + b * skb + hk * skh + t.to(tl.int64)[:, None] * skt + d[None, :]  # [BT, D]
@@ -98,7 +99,7 @@ def _depth_fwd(
         acc = acc * alpha[:, :, None] + p[:, :, None] * vd[:, None, :]
         m = m_new
     tl.store(O + ptr, (acc / l[:, :, None]).to(O.dtype.element_ty), mask=valid[:, :, None])
-    tl.store(LSE + rows, (m + tl.log2(l)) / LOG2E, mask=valid)
+    tl.store(LSE + rows, (m + tl.log2(l)) / _LOG2E, mask=valid)
 
 
 @triton.jit
@@ -146,7 +147,7 @@ def _depth_bwd(
     q = tl.load(Q + ptr, mask=vmask, other=0.0).to(tl.float32)
     do = tl.load(DO + ptr, mask=vmask, other=0.0).to(tl.float32)
     delta = tl.sum(do * tl.load(O + ptr, mask=vmask, other=0.0).to(tl.float32), 2)  # rowsum(dO * O) [BT, GP]
-    lse = tl.load(LSE + rows, mask=valid, other=0.0) * LOG2E
+    lse = tl.load(LSE + rows, mask=valid, other=0.0) * _LOG2E
     dq = tl.zeros([BT, GP, D], tl.float32)
     tmask = (t < T)[:, None]
     t64 = t.to(tl.int64)[:, None]

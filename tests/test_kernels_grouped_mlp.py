@@ -1,6 +1,7 @@
 """Grouped expert SwiGLU MLP: the Triton op against naive.py (output and every gradient)."""
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -123,6 +124,47 @@ def test_empty_and_all_noop():
 def test_fp16():
     n, d, f, n_exp = 10, 20, 24, 3
     g = torch.Generator().manual_seed(6)
+    tok = torch.arange(n).repeat_interleave(2)
+    exp = torch.randint(-1, n_exp, (2 * n,), generator=g)
+    _check(n, d, f, n_exp, tok, exp, dtype=torch.float16)
+
+
+# launch knobs: epilogue halved twice (64 -> 16 columns) or once, program groups of 3 row tiles (a partial last
+# group) or row-major order, a register cap (ignored by the interpreter, exercised on the GPU)
+KNOBS = {
+    "split4-group3": gk.GmmConfig(
+        block_m=16, block_n=64, block_k=16, wgrad_p=32, wgrad_q=32, wgrad_k=16, group_m=3, epi_n=16, num_warps=4
+    ),
+    "split2-rowmajor": gk.GmmConfig(
+        block_m=16, block_n=64, block_k=32, wgrad_p=16, wgrad_q=64, wgrad_k=16, group_m=1, epi_n=32, maxnreg=128
+    ),
+}
+
+
+@pytest.mark.parametrize("name", KNOBS)
+def test_epilogue_split_and_program_order(monkeypatch, name):
+    """Several column blocks per output (ragged last one), several row tiles per expert, no-ops."""
+    monkeypatch.setattr(gk, "CONFIG", KNOBS[name])
+    n, d, f, n_exp = 53, 70, 130, 4
+    g = torch.Generator().manual_seed(9)
+    tok = torch.arange(n).repeat_interleave(2)
+    exp = torch.randint(-1, n_exp, (2 * n,), generator=g)
+    _check(n, d, f, n_exp, tok, exp)
+
+
+def test_fp16_site_overrides(monkeypatch):
+    """16-bit inputs take the per-site tiles and knobs (two tile schedules: block_m 16 and 32)."""
+    sites = {
+        "fwd_up": {"block_n": 64, "epi_n": 16, "group_m": 2},
+        "fwd_down": {"block_n": 32, "epi_n": 16, "group_m": 1},
+        "bwd_dh": {"block_n": 64, "epi_n": 32, "group_m": 1},
+        "bwd_dx": {"block_m": 32, "block_n": 32, "group_m": 2},
+        "bwd_dw2": {"wgrad_p": 32, "group_m": 2},
+        "bwd_dw13": {"wgrad_q": 32, "group_m": 1},
+    }
+    monkeypatch.setattr(gk, "CONFIG", replace(SMALL, sites=sites))
+    n, d, f, n_exp = 21, 40, 72, 3
+    g = torch.Generator().manual_seed(10)
     tok = torch.arange(n).repeat_interleave(2)
     exp = torch.randint(-1, n_exp, (2 * n,), generator=g)
     _check(n, d, f, n_exp, tok, exp, dtype=torch.float16)

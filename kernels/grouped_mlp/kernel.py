@@ -13,10 +13,16 @@ Two kernels:
   0 plain store (``y = h @ W2``); 1 SwiGLU forward (``A @ W1``, ``A @ W3`` in one pass over A, stores the
   pre-activations a, b and ``h = silu(a) * b``); 2 SwiGLU backward (``dh = dy @ W2^T``, then
   ``da = dh * b * silu'(a)``, ``db = dh * silu(a)``); 3 sum of two products (``dx = da @ W1^T + db @ W3^T``).
+  The epilogue runs on column sub-tiles of ``EPI_N`` (the accumulator halved by reshape / split): each
+  sub-tile's loads, math and stores are live alone, so the two extra tiles of EPI 2 do not spill.
 - ``_wgrad_kernel``: per-expert reduction over that expert's rows (a grouped "transposed" GEMM) for
   ``dW1 = X^T da``, ``dW3 = X^T db`` (MODE 0, both from one pass over the gathered X) and
   ``dW2 = h^T dy`` (MODE 1, h recomputed from the saved a, b). Every element of dW is written (experts with
   no rows get 0).
+
+Both run on a 1-D grid in grouped order (``_swizzle``): programs sweep the column blocks of ``group_m`` row
+tiles (dW row blocks) before the next group, so the row operands are re-read from L2, not from DRAM, by the
+programs of the other column blocks.
 
 Accumulation is fp32 everywhere; fp32 inputs use IEEE dots (exact reference path), 16-bit inputs the tensor
 cores. Pointer arithmetic only (no ``tl.make_block_ptr``), int64 row offsets: Triton 3.6 and 3.9. Token
@@ -48,10 +54,11 @@ SITES: tuple[str, ...] = ("fwd_up", "fwd_down", "bwd_dh", "bwd_dx", "bwd_dw2", "
 
 @dataclass(frozen=True)
 class GmmConfig:
-    """Tile sizes (powers of two, >= 16 for ``tl.dot``); the uniform fields are the fp32 and fallback tiles.
+    """Tile sizes (powers of two, >= 16 for ``tl.dot``) and launch knobs; the uniform fields are the fp32 and
+    fallback tiles.
 
     ``sites`` overrides fields per launch site (``SITES``) for 16-bit inputs, e.g. ``{"bwd_dx": {"block_n":
-    256}}``; ``python -m kernels.grouped_mlp.tune`` prints a tuned table. fp32 inputs use the uniform fields.
+    256}}``; ``python -m kernels.grouped_mlp.tune`` prints a tuned ``CONFIG``. fp32 inputs use the uniform fields.
     """
 
     block_m: int = 128  # rows per tile of the row-grouped GEMMs (also the schedule granularity)
@@ -60,8 +67,11 @@ class GmmConfig:
     wgrad_p: int = 128  # dW tile rows
     wgrad_q: int = 128  # dW tile columns
     wgrad_k: int = 64  # sorted rows per reduction step
+    group_m: int = 8  # row tiles (dW row blocks) per group of the program order (see _swizzle)
+    epi_n: int = 32  # columns per epilogue sub-tile of the row-grouped GEMMs (>= block_n: no split)
     num_warps: int = 8
     num_stages: int = 3
+    maxnreg: int = 0  # ptxas cap on registers per thread (0: none); a cap can fit one more program per SM
     sites: Mapping[str, Mapping[str, int]] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
@@ -84,7 +94,8 @@ class GmmConfig:
 
 
 # bf16 tiles from `python -m kernels.grouped_mlp.tune --quick` on an H200 (Triton 3.6, 2026-11-30; N 16384, d 1024,
-# d_ff 4096, 8 experts, top-2): fwd+bwd 346 TFLOP/s against 312 with the uniform tiles (BENCHMARKS.md).
+# d_ff 4096, 8 experts, top-2): fwd+bwd 346 TFLOP/s against 312 with the uniform tiles (BENCHMARKS.md). Tuned before
+# the grouped program order and the split epilogue (their knobs at the defaults here): to be re-tuned.
 CONFIG = GmmConfig(
     sites={
         "fwd_up": {"block_m": 128, "block_n": 64, "block_k": 64, "num_warps": 8, "num_stages": 3},
@@ -115,6 +126,69 @@ def _dot_prec(dtype: torch.dtype) -> str:
 
 
 @triton.jit
+def _swizzle(pid, n_m, n_n, group):
+    """(row block, column block) of program ``pid``: groups of ``group`` row blocks, each group's blocks
+    column by column (1: row-major order; ``>= n_m``: column-major)."""
+    width = group * n_n
+    first = pid // width * group
+    size = tl.minimum(n_m - first, group)
+    return first + pid % width % size, pid % width // size
+
+
+@triton.jit
+def _halves(x, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
+    """Columns ``[0, WIDTH / 2)`` and ``[WIDTH / 2, WIDTH)`` of ``x [BLOCK_M, WIDTH]``."""
+    return tl.split(tl.permute(tl.reshape(x, (BLOCK_M, 2, WIDTH // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def _gmm_epilogue(
+    acc,
+    acc2,
+    rows,
+    rmask,
+    col0,
+    N,
+    stride_cm,
+    ptrs,
+    EPI: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    WIDTH: tl.constexpr,
+    EPI_N: tl.constexpr,
+):
+    """Epilogue of columns ``[col0, col0 + WIDTH)``, halved down to sub-tiles of at most ``EPI_N`` columns;
+    ``ptrs = (c, c2, c3, e1, e2)`` as in ``_gmm_kernel``."""
+    if WIDTH > EPI_N:
+        a0, a1 = _halves(acc, BLOCK_M, WIDTH)
+        b0, b1 = _halves(acc2, BLOCK_M, WIDTH)  # acc2 is used by EPI 1 only (dead code otherwise)
+        _gmm_epilogue(a0, b0, rows, rmask, col0, N, stride_cm, ptrs, EPI, BLOCK_M, WIDTH // 2, EPI_N)
+        _gmm_epilogue(a1, b1, rows, rmask, col0 + WIDTH // 2, N, stride_cm, ptrs, EPI, BLOCK_M, WIDTH // 2, EPI_N)
+    else:
+        cols = col0 + tl.arange(0, WIDTH)
+        off = rows[:, None] * stride_cm + cols[None, :]
+        mask = rmask[:, None] & (cols < N)[None, :]
+        c_ptr, c2_ptr, c3_ptr, e1_ptr, e2_ptr = ptrs
+        dt = c_ptr.dtype.element_ty
+        if EPI == 1:
+            # h from the ROUNDED a, b: the backward recomputes h from the saved (rounded) a, b and must agree
+            pa = acc.to(dt)
+            pb = acc2.to(dt)
+            af = pa.to(tl.float32)
+            h = af * tl.sigmoid(af) * pb.to(tl.float32)
+            tl.store(c_ptr + off, pa, mask=mask)
+            tl.store(c2_ptr + off, pb, mask=mask)
+            tl.store(c3_ptr + off, h.to(dt), mask=mask)
+        elif EPI == 2:
+            af = tl.load(e1_ptr + off, mask=mask, other=0.0).to(tl.float32)
+            bf = tl.load(e2_ptr + off, mask=mask, other=0.0).to(tl.float32)
+            s = tl.sigmoid(af)
+            tl.store(c_ptr + off, (acc * bf * s * (1.0 + af * (1.0 - s))).to(dt), mask=mask)
+            tl.store(c2_ptr + off, (acc * af * s).to(dt), mask=mask)
+        else:
+            tl.store(c_ptr + off, acc.to(dt), mask=mask)
+
+
+@triton.jit(do_not_specialize=["group_m"])  # one binary for every group_m (a runtime knob)
 def _gmm_kernel(
     a_ptr,
     tok_ptr,
@@ -129,6 +203,8 @@ def _gmm_kernel(
     tile_e_ptr,
     tile_r_ptr,
     off_ptr,
+    n_tiles,
+    group_m,
     n_tok,
     K,
     N,
@@ -143,8 +219,9 @@ def _gmm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    EPI_N: tl.constexpr,
 ):
-    tile = tl.program_id(0)
+    tile, pid_n = _swizzle(tl.program_id(0), n_tiles, tl.cdiv(N, BLOCK_N), group_m)
     e = tl.load(tile_e_ptr + tile)
     if e < 0:  # surplus program of the static-size grid
         return
@@ -159,7 +236,7 @@ def _gmm_kernel(
     else:
         src = rows
         amask = rmask
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     cmask = cols < N
     ks = tl.arange(0, BLOCK_K)
     b_base = b_ptr + e.to(tl.int64) * stride_be + cols[None, :] * stride_bn
@@ -182,31 +259,11 @@ def _gmm_kernel(
             )
             b2 = tl.load(b2_base + kk[:, None] * stride_bk, mask=bmask, other=0.0)
             acc = tl.dot(a2, b2, acc, input_precision=DOT_PREC)
-    out_off = rows[:, None] * stride_cm + cols[None, :]
-    omask = rmask[:, None] & cmask[None, :]
-    dt = c_ptr.dtype.element_ty
-    if EPI == 1:
-        # h from the ROUNDED a, b: the backward recomputes h from the saved (rounded) a, b and must agree
-        pa = acc.to(dt)
-        pb = acc2.to(dt)
-        af = pa.to(tl.float32)
-        h = af * tl.sigmoid(af) * pb.to(tl.float32)
-        tl.store(c_ptr + out_off, pa, mask=omask)
-        tl.store(c2_ptr + out_off, pb, mask=omask)
-        tl.store(c3_ptr + out_off, h.to(dt), mask=omask)
-    elif EPI == 2:
-        af = tl.load(e1_ptr + out_off, mask=omask, other=0.0).to(tl.float32)
-        bf = tl.load(e2_ptr + out_off, mask=omask, other=0.0).to(tl.float32)
-        s = tl.sigmoid(af)
-        da = acc * bf * s * (1.0 + af * (1.0 - s))
-        db = acc * af * s
-        tl.store(c_ptr + out_off, da.to(dt), mask=omask)
-        tl.store(c2_ptr + out_off, db.to(dt), mask=omask)
-    else:
-        tl.store(c_ptr + out_off, acc.to(dt), mask=omask)
+    ptrs = (c_ptr, c2_ptr, c3_ptr, e1_ptr, e2_ptr)
+    _gmm_epilogue(acc, acc2, rows, rmask, pid_n * BLOCK_N, N, stride_cm, ptrs, EPI, BLOCK_M, BLOCK_N, EPI_N)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["group_m"])
 def _wgrad_kernel(
     p_ptr,
     tok_ptr,
@@ -216,6 +273,7 @@ def _wgrad_kernel(
     dw_ptr,
     dw2_ptr,
     off_ptr,
+    group_m,
     n_tok,
     P,
     Q,
@@ -231,9 +289,13 @@ def _wgrad_kernel(
 ):
     # MODE 0: dw[e] = X[rows_e]^T @ q[rows_e], dw2[e] = X^T @ q2 (X gathered from p = x via tok)
     # MODE 1: dw[e] = h[rows_e]^T @ q[rows_e] with h = silu(a) * b, a = p, b = e2 (sorted rows)
-    e = tl.program_id(0)
-    ps = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)  # [BP]
-    qs = tl.program_id(2) * BLOCK_Q + tl.arange(0, BLOCK_Q)  # [BQ]
+    n_p = tl.cdiv(P, BLOCK_P)
+    n_q = tl.cdiv(Q, BLOCK_Q)
+    pid = tl.program_id(0)
+    e = pid // (n_p * n_q)  # expert-major: one expert's programs run together
+    pid_p, pid_q = _swizzle(pid % (n_p * n_q), n_p, n_q, group_m)
+    ps = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)  # [BP]
+    qs = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)  # [BQ]
     pmask = ps < P
     qmask = qs < Q
     start = tl.load(off_ptr + e).to(tl.int64)
@@ -383,7 +445,7 @@ def gmm(
     if e1 is not None:
         assert e1.stride(0) == outs[0].stride(0) and e2.stride(0) == outs[0].stride(0)
     tile_e, tile_r = rt.schedule(cfg.block_m)
-    grid = (tile_e.shape[0], triton.cdiv(out_cols, cfg.block_n))
+    grid = (tile_e.shape[0] * triton.cdiv(out_cols, cfg.block_n),)
     _gmm_kernel[grid](
         a,
         rt.tok,
@@ -398,6 +460,8 @@ def gmm(
         tile_e,
         tile_r,
         rt.off,
+        tile_e.shape[0],
+        cfg.group_m,
         n_tok,
         k,
         out_cols,
@@ -412,8 +476,10 @@ def gmm(
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
+        EPI_N=min(cfg.epi_n, cfg.block_n),
         num_warps=cfg.num_warps,
         num_stages=_stages(cfg, a.dtype),
+        maxnreg=cfg.maxnreg or None,
     )
     return outs
 
@@ -455,7 +521,7 @@ def wgrad(
         assert q2.stride(0) == q.stride(0)
     if e2 is not None:
         assert e2.stride(0) == p.stride(0)
-    grid = (n_exp, triton.cdiv(pdim, cfg.wgrad_p), triton.cdiv(qdim, cfg.wgrad_q))
+    grid = (n_exp * triton.cdiv(pdim, cfg.wgrad_p) * triton.cdiv(qdim, cfg.wgrad_q),)
     _wgrad_kernel[grid](
         p,
         rt.tok,
@@ -465,6 +531,7 @@ def wgrad(
         outs[0],
         outs[-1],
         rt.off,
+        cfg.group_m,
         n_tok,
         pdim,
         qdim,
@@ -479,5 +546,6 @@ def wgrad(
         BLOCK_K=cfg.wgrad_k,
         num_warps=cfg.num_warps,
         num_stages=_stages(cfg, p.dtype),
+        maxnreg=cfg.maxnreg or None,
     )
     return outs

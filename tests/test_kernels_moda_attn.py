@@ -83,10 +83,10 @@ def test_matches_reference_fp32(B, Hk, G, T, S, D):
 
 
 def test_depth_tiles():
-    """Many positions per program (ragged last tile) and one position per program (rows < G)."""
+    """Slot loop: many positions per program (ragged last tile) and one position per program (rows < G)."""
     inputs = make(1, 1, 6, 70, 3, 16, seed=3)
     try:
-        for cfg in (K.Config(rows=64, warps=1), K.Config(rows=4, warps=1)):
+        for cfg in (K.Config(rows=64, warps=1, tile_min_g=99), K.Config(rows=4, warps=1, tile_min_g=99)):
             K.set_config(cfg)
             check(*run_both(inputs))
     finally:
@@ -264,3 +264,17 @@ def test_unknown_sequence_backend():
 
     with pytest.raises(ValueError, match="sequence backend"):
         seq.set_backend("magic")
+
+
+@pytest.mark.parametrize(
+    "B,Hk,G,T,S,D", [(1, 2, 1, 33, 3, 32), (1, 1, 3, 70, 3, 16), (2, 1, 6, 9, 2, 16), (1, 1, 2, 7, 5, 128)]
+)
+def test_tensor_core_tiles_match_reference(B, Hk, G, T, S, D):
+    """The tensor-core depth variant (forced for every G), incl. tiles narrower than one position's slots."""
+    inputs = make(B, Hk, G, T, S, D, seed=15)
+    try:
+        for cols in (128, 16):
+            K.set_config(K.Config(tile_min_g=1, tile_cols=cols, tile_warps=1))
+            check(*run_both(inputs))
+    finally:
+        K.set_config(None)

@@ -22,8 +22,8 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.moda_attn.naive import moda_attn_naive
 from kernels.moda_attn import seq
+from kernels.moda_attn.naive import moda_attn_naive
 from kernels.moda_attn.op import moda_attn
 
 __all__ = ["bench_moda_attn", "check_moda_attn", "SDPA_FLASH_REF_MS", "SDPA_CUDNN_REF_MS", "BAR"]

@@ -16,12 +16,18 @@ backward  seq.py's backward, given the joint o and lse, yields the sequence part
           ``_depth_bwd`` recomputes the slot probabilities from the joint lse, adds the depth part of dq into
           dq in place and writes (or adds) dkd, dvd.
 
-One program owns BT positions of one KV head and all G query heads of its group ([BT, GP, D] tiles, GP = G
-padded to a power of two), so each depth slot is read from HBM once, the G heads' slot gradients sum in
-registers, and no two programs touch the same (position, slot): no atomics. The slots are visited one at a
-time; a slot is a [BT, D] tile and the per-position products are broadcast multiply + reduce on the CUDA
-cores (a depth "matmul" has one slot per row: tensor-core tiles would be mostly masked). Work is
-O(B Hq T S D), memory O(B Hk T S D): the kernels are bandwidth-bound.
+One program owns BT positions of one KV head and all G query heads of its group, so each depth slot is
+read from HBM once, the G heads' slot gradients sum inside the program, and no two programs touch the same
+(position, slot): no atomics. Two variants (``Config`` picks by G):
+
+* slot loop (``_depth_fwd``, ``_depth_bwd``; small G): [BT, GP, D] tiles (GP = G padded to a power of two);
+  the slots are visited one at a time as [BT, D] tiles, products are broadcast multiply + reduce on the CUDA
+  cores. No wasted work, but the G-axis reductions of the backward cost layout shuffles when G > 1.
+* tensor-core tiles (``_depth_*_tile``; large G): rows = (position, head) pairs, columns = (position, slot)
+  pairs, masked to each row's own position (the paper's group-aware tile); BT positions per tile waste a
+  factor BT of tensor-core work, which is cheap next to the bytes when BT is small (G >= 4 at S <= 64).
+
+Work is O(B Hq T S D), memory O(B Hk T S D): both aim at the byte floor.
 
 Pointer arithmetic only (no ``tl.make_block_ptr``, removed in Triton 3.9); runs on Triton 3.6 (GPU) and
 under the 3.9 CPU interpreter.
@@ -173,24 +179,177 @@ def _depth_bwd(
     tl.store(DQ + ptr, dq.to(DQ.dtype.element_ty), mask=vmask)
 
 
+@triton.jit
+def _tile_rows(T, Hk, G: tl.constexpr, S: tl.constexpr, BT: tl.constexpr, M: tl.constexpr, N: tl.constexpr):
+    """Tensor-core tiles: rows = (position, head) pairs r = t_local * G + g [M], columns = (position, slot)
+    pairs c = t_local * S + j [N]; a row meets only its own position's columns."""
+    pid_t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hk).to(tl.int64)
+    hk = (pid_bh % Hk).to(tl.int64)
+    t0 = pid_t * BT
+    r = tl.arange(0, M)
+    rvalid = (r // G < BT) & (t0 + r // G < T)
+    rows = ((b * Hk + hk) * G + r % G) * T + t0 + r // G  # [M] into [B, Hq, T]
+    c = tl.arange(0, N)
+    cvalid = (c // S < BT) & (t0 + c // S < T)
+    own = (r // G)[:, None] == (c // S)[None, :]
+    return b, hk, (t0 + c // S).to(tl.int64), c % S, rows, rvalid, cvalid, own
+
+
+@triton.jit
+def _depth_fwd_tile(
+    Q,
+    KD,
+    VD,
+    O,
+    LSE,
+    skb,
+    skh,
+    skt,
+    sks,
+    svb,
+    svh,
+    svt,
+    svs,
+    T,
+    Hk,
+    qk_scale,
+    G: tl.constexpr,
+    S: tl.constexpr,
+    D: tl.constexpr,
+    BT: tl.constexpr,
+    M: tl.constexpr,
+    N: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    b, hk, cpos, cs, rows, rvalid, cvalid, own = _tile_rows(T, Hk, G, S, BT, M, N)
+    d = tl.arange(0, D)
+    ptr = rows[:, None] * D + d[None, :]  # [M, D]
+    q = tl.load(Q + ptr, mask=rvalid[:, None], other=0.0)
+    kd = tl.load(
+        KD + (b * skb + hk * skh + cpos * skt + cs * sks)[:, None] + d[None, :], mask=cvalid[:, None], other=0.0
+    )
+    vd = tl.load(
+        VD + (b * svb + hk * svh + cpos * svt + cs * svs)[:, None] + d[None, :], mask=cvalid[:, None], other=0.0
+    )
+    x = tl.dot(q, tl.trans(kd), input_precision=DOT_PREC) * qk_scale  # [M, N] logits, log2 units
+    x = tl.where(own & cvalid[None, :], x, float("-inf"))
+    lse_s = tl.load(LSE + rows, mask=rvalid, other=0.0) * _LOG2E  # the sequence part's state
+    m = tl.maximum(tl.max(x, 1), lse_s)
+    p = tl.exp2(x - m[:, None])
+    w_s = tl.exp2(lse_s - m)
+    l = w_s + tl.sum(p, 1)
+    acc = tl.load(O + ptr, mask=rvalid[:, None], other=0.0).to(tl.float32) * w_s[:, None]
+    acc += tl.dot(p.to(vd.dtype), vd, input_precision=DOT_PREC)
+    tl.store(O + ptr, (acc / l[:, None]).to(O.dtype.element_ty), mask=rvalid[:, None])
+    tl.store(LSE + rows, (m + tl.log2(l)) / _LOG2E, mask=rvalid)
+
+
+@triton.jit
+def _depth_bwd_tile(
+    Q,
+    O,
+    DO,
+    LSE,
+    DQ,
+    KD,
+    VD,
+    DKD,
+    DVD,
+    skb,
+    skh,
+    skt,
+    sks,
+    svb,
+    svh,
+    svt,
+    svs,
+    sdkb,
+    sdkh,
+    sdkt,
+    sdks,
+    sdvb,
+    sdvh,
+    sdvt,
+    sdvs,
+    T,
+    Hk,
+    qk_scale,
+    scale,
+    G: tl.constexpr,
+    S: tl.constexpr,
+    D: tl.constexpr,
+    BT: tl.constexpr,
+    M: tl.constexpr,
+    N: tl.constexpr,
+    ACC: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    b, hk, cpos, cs, rows, rvalid, cvalid, own = _tile_rows(T, Hk, G, S, BT, M, N)
+    d = tl.arange(0, D)
+    ptr = rows[:, None] * D + d[None, :]  # [M, D]
+    q = tl.load(Q + ptr, mask=rvalid[:, None], other=0.0)
+    do = tl.load(DO + ptr, mask=rvalid[:, None], other=0.0)
+    delta = tl.sum(do.to(tl.float32) * tl.load(O + ptr, mask=rvalid[:, None], other=0.0).to(tl.float32), 1)
+    lse = tl.load(LSE + rows, mask=rvalid, other=0.0) * _LOG2E
+    kd = tl.load(
+        KD + (b * skb + hk * skh + cpos * skt + cs * sks)[:, None] + d[None, :], mask=cvalid[:, None], other=0.0
+    )
+    vd = tl.load(
+        VD + (b * svb + hk * svh + cpos * svt + cs * svs)[:, None] + d[None, :], mask=cvalid[:, None], other=0.0
+    )
+    x = tl.dot(q, tl.trans(kd), input_precision=DOT_PREC) * qk_scale
+    p = tl.where(own & cvalid[None, :] & rvalid[:, None], tl.exp2(x - lse[:, None]), 0.0)  # slot probabilities
+    ds = p * (tl.dot(do, tl.trans(vd), input_precision=DOT_PREC) - delta[:, None])
+    dq = tl.load(DQ + ptr, mask=rvalid[:, None], other=0.0).to(tl.float32)  # the sequence part
+    dq += tl.dot(ds.to(kd.dtype), kd, input_precision=DOT_PREC) * scale
+    tl.store(DQ + ptr, dq.to(DQ.dtype.element_ty), mask=rvalid[:, None])
+    # the G heads of a position meet in the same columns: the matmuls sum them
+    dkd = tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PREC) * scale  # [N, D]
+    dvd = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PREC)
+    dk_ptr = DKD + (b * sdkb + hk * sdkh + cpos * sdkt + cs * sdks)[:, None] + d[None, :]
+    dv_ptr = DVD + (b * sdvb + hk * sdvh + cpos * sdvt + cs * sdvs)[:, None] + d[None, :]
+    if ACC:
+        dkd += tl.load(dk_ptr, mask=cvalid[:, None], other=0.0).to(tl.float32)
+        dvd += tl.load(dv_ptr, mask=cvalid[:, None], other=0.0).to(tl.float32)
+    tl.store(dk_ptr, dkd.to(DKD.dtype.element_ty), mask=cvalid[:, None])
+    tl.store(dv_ptr, dvd.to(DVD.dtype.element_ty), mask=cvalid[:, None])
+
+
 @dataclass(frozen=True)
 class Config:
-    """Launch parameters of the depth kernels: (position, head) rows per program, warps."""
+    """Launch parameters of the depth kernels.
 
-    rows: int = 64
+    Groups of ``tile_min_g`` or more query heads per KV head use the tensor-core tiles (``_depth_*_tile``:
+    G heads x BT positions against BT positions x S slots, masked to each position's own slots, BT chosen so
+    that the tile has at most ``tile_cols`` columns); smaller groups the slot loop (``_depth_fwd``/``_bwd``)
+    with ``rows`` (position, head) rows per program and ``warps`` warps.
+    """
+
+    rows: int = 16
     warps: int = 4
+    tile_min_g: int = 4
+    tile_cols: int = 128
+    tile_warps: int = 4
 
     def __post_init__(self):
-        if self.rows < 1 or self.rows & (self.rows - 1) or self.warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"Config(rows={self.rows}, warps={self.warps}): rows a power of two, warps 1-16")
+        pow2 = (self.rows, self.tile_cols, self.warps, self.tile_warps)
+        if any(v < 1 or v & (v - 1) for v in pow2) or max(self.warps, self.tile_warps) > 16:
+            raise ValueError(f"{self}: rows, tile_cols and warps must be powers of two (warps <= 16)")
+
+    def tile(self, G: int, S: int) -> tuple[int, int, int]:
+        """(BT, M, N) of the tensor-core tiles: BT positions, M >= 16 rows, N >= 16 columns."""
+        BT = max(1, min(max(16, triton.next_power_of_2(G)) // G, self.tile_cols // triton.next_power_of_2(S)))
+        return BT, max(16, triton.next_power_of_2(BT * G)), max(16, triton.next_power_of_2(BT * S))
 
     def positions(self, G: int) -> int:
         """BT: whole positions per program (the G heads of a position share a program)."""
         return max(1, self.rows // triton.next_power_of_2(G))
 
 
-_CPU_CONFIG = Config(rows=16, warps=1)
-_GPU_CONFIGS = {64: Config(rows=64, warps=4), 128: Config(rows=32, warps=4)}  # head dim -> config
+_CPU_CONFIG = Config(rows=16, warps=1, tile_warps=1)
+_GPU_CONFIGS = {64: Config(rows=16, warps=4), 128: Config(rows=8, warps=4)}  # head dim -> config
 _override: Config | None = None
 LAST_COMPILED: dict[str, object] = {}  # kernel name -> last launched CompiledKernel (n_regs, n_spills)
 
@@ -206,7 +365,7 @@ def get_config(device: torch.device, D: int) -> Config:
         return _override
     if device.type != "cuda":
         return _CPU_CONFIG
-    return _GPU_CONFIGS.get(D, Config(rows=max(8, 4096 // D), warps=4))
+    return _GPU_CONFIGS.get(D, Config(rows=max(1, 1024 // D), warps=4))
 
 
 def _empty(shape, dtype, device) -> torch.Tensor:
@@ -217,36 +376,60 @@ def _empty(shape, dtype, device) -> torch.Tensor:
     return t
 
 
-def _grid(q, Hk, BT):
-    B, _, T, _ = q.shape
-    return (triton.cdiv(T, BT), B * Hk)
+def _dot_prec(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # fp32: exact products (tests); 16-bit: tensor cores
+
+
+def _launch(q, kd, cfg: Config):
+    """(use the tensor-core tiles?, grid, constexprs common to both kernels of that variant)."""
+    B, Hq, T, D = q.shape
+    Hk, S = kd.shape[1], kd.shape[3]
+    G = Hq // Hk
+    if G >= cfg.tile_min_g:
+        BT, M, N = cfg.tile(G, S)
+        meta = dict(G=G, S=S, D=D, BT=BT, M=M, N=N, DOT_PREC=_dot_prec(q.dtype), num_warps=cfg.tile_warps)
+        return True, (triton.cdiv(T, BT), B * Hk), meta
+    BT = cfg.positions(G)
+    return False, (triton.cdiv(T, BT), B * Hk), dict(G=G, GP=triton.next_power_of_2(G), D=D, BT=BT, num_warps=cfg.warps)
 
 
 def depth_fwd(q, kd, vd, o, lse, scale: float, cfg: Config) -> None:
     """Merge the depth slots into the sequence result, in place: o [B,Hq,T,D], lse [B,Hq,T] become joint."""
-    Hq, D = q.shape[1], q.shape[3]
-    Hk, S = kd.shape[1], kd.shape[3]
-    G = Hq // Hk
-    BT = cfg.positions(G)
-    LAST_COMPILED["_depth_fwd"] = _depth_fwd[_grid(q, Hk, BT)](
-        q, kd, vd, o, lse, *kd.stride()[:4], *vd.stride()[:4], q.shape[2], Hk, S, scale * LOG2E,
-        G=G, GP=triton.next_power_of_2(G), D=D, BT=BT, num_warps=cfg.warps,
-    )  # fmt: skip
+    T, Hk, S = q.shape[2], kd.shape[1], kd.shape[3]
+    tile, grid, meta = _launch(q, kd, cfg)
+    args = (q, kd, vd, o, lse, *kd.stride()[:4], *vd.stride()[:4], T, Hk)
+    if tile:
+        LAST_COMPILED["_depth_fwd"] = _depth_fwd_tile[grid](*args, scale * LOG2E, **meta)
+    else:
+        LAST_COMPILED["_depth_fwd"] = _depth_fwd[grid](*args, S, scale * LOG2E, **meta)
 
 
 def depth_bwd(q, o, do, lse, dq, kd, vd, scale: float, cfg: Config, dkd_acc=None, dvd_acc=None):
     """Add the depth part of dq into dq [B,Hq,T,D] in place; return dkd, dvd (or add them into the
     ``*_acc`` buffers, shaped like kd, vd, unit last stride, kd's dtype or fp32, and return None, None)."""
-    Hq, D = q.shape[1], q.shape[3]
-    Hk, S = kd.shape[1], kd.shape[3]
-    G = Hq // Hk
-    BT = cfg.positions(G)
+    T, Hk, S = q.shape[2], kd.shape[1], kd.shape[3]
     acc = dkd_acc is not None
-    dkd, dvd = (dkd_acc, dvd_acc) if acc else (_empty(kd.shape, kd.dtype, q.device), _empty(vd.shape, vd.dtype, q.device))
-    LAST_COMPILED["_depth_bwd"] = _depth_bwd[_grid(q, Hk, BT)](
-        q, o, do, lse, dq, kd, vd, dkd, dvd,
-        *kd.stride()[:4], *vd.stride()[:4], *dkd.stride()[:4], *dvd.stride()[:4],
-        q.shape[2], Hk, S, scale * LOG2E, scale,
-        G=G, GP=triton.next_power_of_2(G), D=D, BT=BT, ACC=acc, num_warps=cfg.warps,
-    )  # fmt: skip
+    dkd, dvd = (
+        (dkd_acc, dvd_acc) if acc else (_empty(kd.shape, kd.dtype, q.device), _empty(vd.shape, vd.dtype, q.device))
+    )
+    tile, grid, meta = _launch(q, kd, cfg)
+    args = (
+        q,
+        o,
+        do,
+        lse,
+        dq,
+        kd,
+        vd,
+        dkd,
+        dvd,
+        *kd.stride()[:4],
+        *vd.stride()[:4],
+        *dkd.stride()[:4],
+        *dvd.stride()[:4],
+    )
+    if tile:
+        LAST_COMPILED["_depth_bwd"] = _depth_bwd_tile[grid](*args, T, Hk, scale * LOG2E, scale, ACC=acc, **meta)
+    else:
+        LAST_COMPILED["_depth_bwd"] = _depth_bwd[grid](*args, T, Hk, S, scale * LOG2E, scale, ACC=acc, **meta)
     return (None, None) if acc else (dkd, dvd)

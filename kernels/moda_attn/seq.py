@@ -68,7 +68,9 @@ def seq_fwd(q, k, v, scale: float, backend: str):
         aux = (seed, offset, lse.shape[-1])  # its lse rows are padded (to a multiple of 32)
         lse = lse[..., :T]
     elif backend == "cpu":
-        o, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, _expand(k, G), _expand(v, G), 0.0, True, scale=scale)
+        o, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+            q, _expand(k, G), _expand(v, G), 0.0, True, scale=scale
+        )
         aux = ()
     else:
         raise ValueError(f"unknown sequence backend {backend!r}")

@@ -186,8 +186,8 @@ def bench_step(args) -> None:
         torch.cuda.empty_cache()
     base = rows[0]
     print(
-        f"d_model {d}, {args.n_layers} layers, {d // 64} heads, {args.kv_heads or d // 64} KV heads, T {T}, batch {args.batch_size}, vocab {args.vocab}, bf16 autocast,"
-        " fused AdamW,"
+        f"d_model {d}, {args.n_layers} layers, {d // 64} heads, {args.kv_heads or d // 64} KV heads, T {T},"
+        f" batch {args.batch_size}, vocab {args.vocab}, bf16 autocast, fused AdamW,"
         f" compile {args.compile}, {torch.cuda.get_device_name(0)}, torch {torch.__version__}"
     )
     print("| arch | options | params | fwd FLOPs/token | step ms (median) | vs first | FLOP ratio | peak GiB |")

@@ -93,17 +93,17 @@ class GmmConfig:
         return tuple(sorted({self.at(s, dtype).block_m for s in SITES[:4]}))
 
 
-# bf16 tiles from `python -m kernels.grouped_mlp.tune --quick` on an H200 (Triton 3.6, 2026-11-30; N 16384, d 1024,
-# d_ff 4096, 8 experts, top-2): fwd+bwd 346 TFLOP/s against 312 with the uniform tiles (BENCHMARKS.md). Tuned before
-# the grouped program order and the split epilogue (their knobs at the defaults here): to be re-tuned.
+# bf16 tiles from `python -m kernels.grouped_mlp.tune --quick` on an H200 (Triton 3.6, torch 2.11, 2026-11-30 12:58 UTC;
+# N 16384, d 1024, d_ff 4096, 8 experts, top-2), with the grouped program order and split epilogue: fwd+bwd 6.343 ms
+# = 390 TFLOP/s, 0.714x the dense matmul chain in the same run (BENCHMARKS.md).
 CONFIG = GmmConfig(
     sites={
         "fwd_up": {"block_m": 128, "block_n": 64, "block_k": 64, "num_warps": 8, "num_stages": 3},
-        "fwd_down": {"block_m": 128, "block_n": 256, "block_k": 64, "num_warps": 8, "num_stages": 3},
-        "bwd_dh": {"block_m": 64, "block_n": 256, "block_k": 64, "num_warps": 8, "num_stages": 3},
+        "fwd_down": {"block_m": 128, "block_n": 256, "block_k": 64, "num_warps": 8, "num_stages": 3, "epi_n": 64},
+        "bwd_dh": {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 3, "maxnreg": 128},
         "bwd_dx": {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 3},
         "bwd_dw2": {"wgrad_p": 128, "wgrad_q": 256, "wgrad_k": 64, "num_warps": 8, "num_stages": 3},
-        "bwd_dw13": {"wgrad_p": 64, "wgrad_q": 128, "wgrad_k": 64, "num_warps": 4, "num_stages": 3},
+        "bwd_dw13": {"wgrad_p": 128, "wgrad_q": 64, "wgrad_k": 64, "num_warps": 8, "num_stages": 3, "maxnreg": 128},
     }
 )
 

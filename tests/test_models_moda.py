@@ -382,3 +382,31 @@ def test_bad_config_raises_one_line(kw, msg):
 
 def test_registry():
     assert MODELS["moda"] == (MoDAConfig, MoDALM)
+
+
+@pytest.mark.parametrize("depth_kv", ["attn", "attn+ffn+extra"])
+def test_compiled_graphs_do_not_grow_with_depth(depth_kv):
+    """Under torch.compile every block breaks the graph once (its eager depth-attention island) and the
+    compiled code around it is shared by all blocks: the number of distinct graphs does not grow with the
+    number of layers (per-block recompiles would hit dynamo's recompile limit and leave deep blocks eager).
+    Dynamo only (backend="eager"), so the check is cheap; the compiled loss and gradients equal eager's."""
+    from torch._dynamo.utils import counters
+
+    x = torch.randint(0, 64, (2, 17))
+    graphs = []
+    for n_layers in (5, 10):
+        torch._dynamo.reset()
+        counters.clear()
+        model = make(n_layers=n_layers, depth_kv=depth_kv)
+        compiled = torch.compile(model, backend="eager")
+        loss = compiled(x[:, :-1], x[:, 1:])
+        loss.backward()
+        graphs.append(counters["stats"]["unique_graphs"])
+        ref = make(n_layers=n_layers, depth_kv=depth_kv)
+        ref_loss = ref(x[:, :-1], x[:, 1:])
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss)
+        for (n, p), r in zip(model.named_parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, r.grad, msg=n)
+    torch._dynamo.reset()
+    assert graphs[0] == graphs[1] and graphs[0] <= 8, graphs

@@ -235,19 +235,6 @@ def joint_attention(q, k, v, kd, vd, impl: str, depth_grad: tuple | None = None)
     return moda_attn_naive(q, k, v, kd, vd)
 
 
-@torch.compiler.disable  # the store's aliased views and in-place gradient adds are opaque to aot_autograd
-def depth_attention(store: DepthStore, q, k, v, reads: tuple[int, int], writes: list, impl: str) -> torch.Tensor:
-    """Write ``writes`` [(slot, k, v)] into the store, then joint attention of q over k, v and slots ``reads``.
-
-    One eager island per block under torch.compile (one graph break), rather than one per store operation.
-    Writing before reading is safe: a block reads only slots written by earlier blocks (``depth_range``).
-    """
-    for i, sk, sv in writes:
-        store.write(i, sk, sv)
-    kd, vd, dkv = store.read(*reads)
-    return joint_attention(q, k, v, kd, vd, impl, dkv)
-
-
 def cached_joint_attention(q, k, v, kd, vd, start: int) -> torch.Tensor:
     """Joint attention for a chunk of queries at positions start..start+n-1 over a sequence KV cache.
 
@@ -308,26 +295,40 @@ class MoDABlock(nn.Module):
         kv = lambda: DepthKV(c.d_model, c.n_kv_heads, c.head_dim, c.qk_norm)  # noqa: E731
         self.extra_kv = kv() if self.slot.get("extra") is not None else None
         self.ffn_kv = kv() if self.slot.get("ffn") is not None else None
+        # the previous block's FFN slot, written by this block (its K/V arrive as ``pending``)
+        prev_ffn = layer > 0 and "ffn" in c.slot_kinds and c.slot_is_read(layer - 1, "ffn")
+        self.prev_ffn = c.slot_index(layer - 1, "ffn") if prev_ffn else None
 
-    def forward(self, x, rope, store: DepthStore, pos=None, cache: tuple | None = None, start: int = 0, pending=()):
-        """x: [B, T, D] -> (x [B, T, D], slot writes left for the next block). ``pending``: the previous block's
-        FFN slot writes, done by this block's attention island (see ``depth_attention``). With ``cache`` =
-        (k_cache, v_cache) [B, Hk, T_max, hd], x holds positions start..start+T-1 and attends over the cached
-        prefix; ``store`` then holds only this chunk's slots."""
+    def _write(self, store: DepthStore, k, v, extra: tuple | None, pending: tuple | None) -> None:
+        """This block's slots (attention K/V, extra K/V) and the previous block's FFN slot (``pending``)."""
+        for i, kv in ((self.prev_ffn, pending), (self.slot["attn"], (k, v)), (self.slot.get("extra"), extra)):
+            if i is not None:
+                store.write(i, *kv)
+
+    @torch.compiler.disable  # the store's aliased views and in-place gradient adds are opaque to aot_autograd
+    def _attend(self, store: DepthStore, q, k, v, extra: tuple | None, pending: tuple | None) -> torch.Tensor:
+        """Slot writes, then joint attention over k, v and the slots this block reads: one eager island per
+        block under torch.compile. Every per-block integer (slot indices, read range) is used only in here, so
+        the compiled code around it is the same for all blocks (no recompilation per block). Writing before
+        reading is safe: a block reads only slots written by earlier blocks (``depth_range``)."""
+        self._write(store, k, v, extra, pending)
+        kd, vd, dkv = store.read(*self.reads)
+        return joint_attention(q, k, v, kd, vd, self.impl, dkv)
+
+    def forward(self, x, rope, store: DepthStore, pos=None, cache: tuple | None = None, start: int = 0, pending=None):
+        """x: [B, T, D] -> (x [B, T, D], this block's FFN slot K/V or None). ``pending``: the previous block's
+        FFN slot K/V, written by this block. With ``cache`` = (k_cache, v_cache) [B, Hk, T_max, hd], x holds
+        positions start..start+T-1 and attends over the cached prefix; ``store`` then holds only this chunk's
+        slots."""
         B, T, D = x.shape
         h = self.norm1(x) if self.pre else x
         q, k, v = self.attn.qkv(h, rope, pos)
         q, k = q.to(v.dtype), k.to(v.dtype)  # QK-norm's fp32 weight can promote q, k under autocast
-        writes = list(pending)
-        if self.slot["attn"] is not None:
-            writes.append((self.slot["attn"], k, v))
-        if self.extra_kv is not None:
-            writes.append((self.slot["extra"], *self.extra_kv(h, rope, pos)))
+        extra = self.extra_kv(h, rope, pos) if self.extra_kv is not None else None
         if cache is None:
-            y = depth_attention(store, q, k, v, self.reads, writes, self.impl)
+            y = self._attend(store, q, k, v, extra, pending)
         else:
-            for w in writes:
-                store.write(*w)
+            self._write(store, k, v, extra, pending)
             kd, vd, _ = store.read(*self.reads)
             kc, vc = cache
             kc[:, :, start : start + T], vc[:, :, start : start + T] = k, v
@@ -335,7 +336,7 @@ class MoDABlock(nn.Module):
         a = self.attn.wo(y.transpose(1, 2).reshape(B, T, D))
         x = x + a if self.pre else self.norm1(x + a)
         h = self.norm2(x) if self.pre else x  # the FFN input, projected into this block's FFN slot
-        pending = [(self.slot["ffn"], *self.ffn_kv(h, rope, pos))] if self.ffn_kv is not None else []
+        pending = self.ffn_kv(h, rope, pos) if self.ffn_kv is not None else None
         return (x + self.mlp(h) if self.pre else self.norm2(x + self.mlp(h))), pending
 
 
@@ -354,7 +355,7 @@ class MoDALM(DenseLM):
         pos = None
         if cache is not None:
             pos = torch.arange(start, start + idx.shape[1], device=idx.device).expand(idx.shape[0], -1)  # [B, T]
-        pending = []
+        pending = None
         for i, block in enumerate(self.blocks):
             x, pending = block(x, self.rope, store, pos, None if cache is None else cache[i], start, pending)
         return x, store

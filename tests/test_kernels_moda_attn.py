@@ -288,6 +288,7 @@ from kernels.moda_attn import kernel as K
 
 PTRS = {"Q", "KD", "VD", "O", "DO", "DQ", "DKD", "DVD"}
 META = {"G", "GP", "D", "BT", "M", "N", "S", "ACC", "DOT_PREC"}
+SCALARS = {"LSE": "*fp32", "qk_scale": "fp32", "scale": "fp32", "T": "i32", "Hk": "i32", "S": "i32"}
 
 
 def signature(fn):
@@ -298,7 +299,7 @@ def signature(fn):
         elif n in PTRS:
             sig[n] = "*bf16"
         else:
-            sig[n] = {"LSE": "*fp32", "qk_scale": "fp32", "scale": "fp32", "T": "i32", "Hk": "i32", "S": "i32"}.get(n, "i64")
+            sig[n] = SCALARS.get(n, "i64")
     return sig
 
 

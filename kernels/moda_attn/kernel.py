@@ -20,12 +20,12 @@ One program owns BT positions of one KV head and all G query heads of its group,
 read from HBM once, the G heads' slot gradients sum inside the program, and no two programs touch the same
 (position, slot): no atomics. Two variants (``Config`` picks by G):
 
-* slot loop (``_depth_fwd``, ``_depth_bwd``; small G): [BT, GP, D] tiles (GP = G padded to a power of two);
+* slot loop (``_depth_fwd``, ``_depth_bwd``; G = 1): [BT, GP, D] tiles (GP = G padded to a power of two);
   the slots are visited one at a time as [BT, D] tiles, products are broadcast multiply + reduce on the CUDA
   cores. No wasted work, but the G-axis reductions of the backward cost layout shuffles when G > 1.
 * tensor-core tiles (``_depth_*_tile``; large G): rows = (position, head) pairs, columns = (position, slot)
   pairs, masked to each row's own position (the paper's group-aware tile); BT positions per tile waste a
-  factor BT of tensor-core work, which is cheap next to the bytes when BT is small (G >= 4 at S <= 64).
+  factor BT of tensor-core work (and pad rows to 16), which is cheap next to the bytes (G >= 2).
 
 Work is O(B Hq T S D), memory O(B Hk T S D): both aim at the byte floor.
 
@@ -329,7 +329,7 @@ class Config:
 
     rows: int = 16
     warps: int = 4
-    tile_min_g: int = 4
+    tile_min_g: int = 2
     tile_cols: int = 128
     tile_warps: int = 4
 
@@ -349,7 +349,11 @@ class Config:
 
 
 _CPU_CONFIG = Config(rows=16, warps=1, tile_warps=1)
-_GPU_CONFIGS = {64: Config(rows=16, warps=4), 128: Config(rows=8, warps=4)}  # head dim -> config
+# head dim -> config. D 64: from `python -m kernels.moda_attn.tune` on an H200 (BENCHMARKS.md): at G = 8 the tiles
+# beat the loop 2.2x; at G = 1 the loop with 16 rows / 4 warps runs at 1.2-1.3x the byte floor. G = 2 is not yet
+# measured: the loop's G-axis reductions compile to shared-memory round trips with 4 warps (as at G = 8, where they
+# cost 3-13x), so G >= 2 takes the tiles. D 128: half the tile columns (the backward holds two [N, D] fp32 tiles).
+_GPU_CONFIGS = {64: Config(rows=16, warps=4), 128: Config(rows=8, warps=4, tile_cols=64)}
 _override: Config | None = None
 LAST_COMPILED: dict[str, object] = {}  # kernel name -> last launched CompiledKernel (n_regs, n_spills)
 

@@ -9,9 +9,9 @@ returns exactly the sequence part of the joint gradients (dq's sequence share, d
 Backends (private ATen ops of ``F.scaled_dot_product_attention``; all return ``lse`` in natural-log units of
 the scaled logits):
 
-* ``cudnn``: CUDA, fp16/bf16, head dim <= 128; GQA native. The default where it applies.
-* ``flash``: CUDA, fp16/bf16; GQA native.
-* ``efficient``: CUDA, fp32 (memory-efficient kernel; K/V expanded to the query heads).
+* ``cudnn``: CUDA, fp16/bf16, head dim <= 128; GQA native. The default on Hopper and newer.
+* ``flash``: CUDA, fp16/bf16, Ampere or newer; GQA native. The default on Ampere.
+* ``efficient``: CUDA, fp32 or pre-Ampere GPUs (memory-efficient kernel; K/V expanded to the query heads).
 * ``cpu``: the CPU flash kernel (K/V expanded); used by the tests under the Triton interpreter.
 """
 
@@ -37,9 +37,12 @@ def backend_for(q: torch.Tensor) -> str:
         return _override
     if q.device.type != "cuda":
         return "cpu"
-    if q.dtype == torch.float32:
+    major, _ = torch.cuda.get_device_capability(q.device)
+    if q.dtype == torch.float32 or major < 8:  # flash and cuDNN attention need fp16/bf16 and Ampere or newer
         return "efficient"
-    return "cudnn" if q.shape[-1] <= 128 and torch.backends.cudnn.is_available() else "flash"
+    if major >= 9 and q.shape[-1] <= 128 and torch.backends.cudnn.is_available():
+        return "cudnn"  # the fastest on Hopper (BENCHMARKS.md: 1.6x flash's fwd+bwd on an H200)
+    return "flash"
 
 
 def _expand(t: torch.Tensor, G: int) -> torch.Tensor:

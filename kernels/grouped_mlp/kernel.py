@@ -93,7 +93,7 @@ class GmmConfig:
         return tuple(sorted({self.at(s, dtype).block_m for s in SITES[:4]}))
 
 
-# bf16 tiles from `python -m kernels.grouped_mlp.tune --quick` on an H200 (Triton 3.6, torch 2.11, 2026-11-30 12:58 UTC;
+# bf16 tiles from `python -m kernels.grouped_mlp.tune --quick` on an H200 (Triton 3.6, torch 2.11, 2026-11-30 12:29 UTC;
 # N 16384, d 1024, d_ff 4096, 8 experts, top-2), with the grouped program order and split epilogue: fwd+bwd 6.343 ms
 # = 390 TFLOP/s, 0.714x the dense matmul chain in the same run (BENCHMARKS.md).
 CONFIG = GmmConfig(

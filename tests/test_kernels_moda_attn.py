@@ -339,3 +339,30 @@ def test_depth_kernels_compile_for_hopper():
     env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "src"), env.get("PYTHONPATH", "")])
     r = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "compiled 18" in r.stdout, r.stderr[-3000:]
+
+
+def test_depth_grad_acc_as_a_function_called_in_backward():
+    """A function for depth_grad_acc is called only by the backward (the buffers need not exist before), its
+    buffers get the same sums as passing them directly, and a wrong result is an error there."""
+    B, Hk, G, T, S, D = 1, 2, 2, 9, 3, 16
+    q, k, v, kd, vd = make(B, Hk, G, T, S, D, seed=16)
+    calls, made = [], []
+
+    def buffers():
+        calls.append(1)
+        made.extend((torch.zeros_like(kd), torch.zeros_like(vd)))
+        return made[0], made[1]
+
+    o = moda_attn(q, k, v, kd, vd, depth_grad_acc=buffers)
+    assert not calls
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(17)).to(o)
+    q.grad = None
+    o.backward(do)
+    assert len(calls) == 1 and kd.grad is None
+    o_ref = moda_attn_naive(q, k, v, kd, vd)
+    ref = torch.autograd.grad(o_ref, (q, kd, vd), do)
+    for got, want in zip((q.grad, *made), ref, strict=True):
+        assert rel_err(got, want)[0] < 1e-5
+    bad = moda_attn(q, k, v, kd, vd, depth_grad_acc=lambda: (torch.zeros_like(kd)[:, :, :, :1], torch.zeros_like(vd)))
+    with pytest.raises(ValueError, match="depth_grad_acc"):
+        bad.backward(do)

@@ -130,23 +130,31 @@ def test_joint_softmax_and_slot_counts(monkeypatch, kw, counts):
 def test_depth_buffer_is_written_once_and_read_in_place(monkeypatch):
     """No per-layer re-concatenation: one K and one V buffer per pass, every read a view of them.
 
-    With autograd on, the pass also allocates their two gradient buffers (4 allocations), once, and hands
-    each read's attention the matching views of those; without autograd, only the 2 slot buffers.
+    With autograd on, the two slot-gradient buffers are not allocated in the forward pass (they would add to
+    its peak) but on the first request in the backward pass; each read's attention gets a function returning
+    the matching views of them. Without autograd: only the 2 slot buffers, and no gradient buffers at all.
     """
     model = make(depth_kv="attn+ffn+extra", depth_window=4)
     calls = record_attention(monkeypatch)
     x = torch.randint(0, 64, (2, 16))
     _, store = model.trunk(x)
-    assert store.allocations == 4 and store.k.shape == store.gk.shape == (2, 2, 16, model.cfg.n_slots, 16)
+    assert store.allocations == 2 and store.k.shape == (2, 2, 16, model.cfg.n_slots, 16)
+    assert store.grad is not None and store.grad.k is None  # nothing allocated yet
     elem = store.k.element_size()
     for layer, c in enumerate(calls[1:], 1):
         lo, _ = model.cfg.depth_range(layer)
-        reads = (c["kd"], store.k), (c["vd"], store.v), *zip(c["depth_grad"], (store.gk, store.gv), strict=True)
+        reads = (
+            (c["kd"], store.k),
+            (c["vd"], store.v),
+            *zip(c["depth_grad"](), (store.grad.k, store.grad.v), strict=True),
+        )
         for read, buf in reads:
             assert read.data_ptr() == buf.data_ptr() + lo * buf.stride(3) * elem
             assert read.stride() == buf.stride() and read.shape == c["kd"].shape
+    assert store.grad.k.shape == store.k.shape and store.grad.k.abs().max() == 0
     with torch.no_grad():
-        assert model.trunk(x)[1].allocations == 2
+        s2 = model.trunk(x)[1]
+        assert s2.allocations == 2 and s2.grad is None
 
 
 def test_gradients_match_stacked_reference(monkeypatch):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -16,7 +17,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 class _MoDAAttn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, kd, vd, scale, dkd_acc, dvd_acc):
+    def forward(ctx, q, k, v, kd, vd, scale, dkd_acc):
         backend = _seq.backend_for(q)
         o, lse, aux = _seq.seq_fwd(q, k, v, scale, backend)
         cfg = _k.get_config(q.device, q.shape[-1])
@@ -24,7 +25,7 @@ class _MoDAAttn(torch.autograd.Function):
             _k.depth_fwd(q, kd, vd, o, lse, scale, cfg)  # o, lse become the joint ones
         ctx.save_for_backward(q, k, v, kd, vd, o, lse)
         ctx.scale, ctx.cfg, ctx.backend, ctx.aux = scale, cfg, backend, aux
-        ctx.acc = (dkd_acc, dvd_acc)  # not inputs to differentiate: buffers the backward adds into
+        ctx.acc = dkd_acc  # not an input to differentiate: the buffers (or a function giving them) to add into
         return o
 
     @staticmethod
@@ -33,12 +34,23 @@ class _MoDAAttn(torch.autograd.Function):
         do = do.contiguous()
         dq, dk, dv = _seq.seq_bwd(do, q, k, v, o, lse, ctx.aux, ctx.scale, ctx.backend)
         dkd = dvd = None
+        acc = ctx.acc() if callable(ctx.acc) else ctx.acc
+        if callable(ctx.acc):
+            _check_acc(acc, kd, vd)
         if kd is not None and kd.shape[3] > 0:
             dq = dq.contiguous()
-            dkd, dvd = _k.depth_bwd(q, o, do, lse, dq, kd, vd, ctx.scale, ctx.cfg, *ctx.acc)
-        elif kd is not None and ctx.acc[0] is None:  # S = 0 slots: empty gradients
+            dkd, dvd = _k.depth_bwd(q, o, do, lse, dq, kd, vd, ctx.scale, ctx.cfg, *(acc or (None, None)))
+        elif kd is not None and acc is None:  # S = 0 slots: empty gradients
             dkd, dvd = torch.zeros_like(kd), torch.zeros_like(vd)
-        return dq, dk, dv, dkd, dvd, None, None, None
+        return dq, dk, dv, dkd, dvd, None, None
+
+
+def _check_acc(acc, kd: torch.Tensor, vd: torch.Tensor) -> None:
+    for name, t, ref in zip(("gkd", "gvd"), acc, (kd, vd), strict=True):
+        if t.shape != ref.shape or t.device != ref.device or t.dtype not in (ref.dtype, torch.float32):
+            raise ValueError(f"depth_grad_acc {name}: {t.dtype} {tuple(t.shape)} on {t.device} does not match kd")
+        if t.stride(-1) != 1:
+            raise ValueError(f"depth_grad_acc {name} needs a unit last stride, got strides {t.stride()}")
 
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
@@ -52,7 +64,7 @@ def moda_attn(
     kd: torch.Tensor | None = None,
     vd: torch.Tensor | None = None,
     scale: float | None = None,
-    depth_grad_acc: tuple[torch.Tensor, torch.Tensor] | None = None,
+    depth_grad_acc: tuple[torch.Tensor, torch.Tensor] | Callable[[], tuple] | None = None,
 ) -> torch.Tensor:
     """Mixture-of-Depths attention: one softmax over causal sequence keys and same-position depth slots.
 
@@ -72,8 +84,10 @@ def moda_attn(
         vd: depth values, same shape as ``kd``.
         scale: logit scale, default ``1 / sqrt(D)``.
         depth_grad_acc: ``(gkd, gvd)`` shaped like ``kd``, ``vd`` (unit last stride, ``kd``'s dtype or fp32,
-            not overlapping any input), e.g. the matching views of a slot-gradient buffer. The backward then
-            ADDS dL/dkd, dL/dvd into them in place (fp32 sum, one rounding), and kd, vd get no gradient here.
+            not overlapping any input), e.g. the matching views of a slot-gradient buffer, or a function
+            returning them, called (and its result checked) in the backward pass, so that the buffers need
+            not exist before. The backward ADDS dL/dkd, dL/dvd into them in place (fp32 sum, one rounding),
+            and kd, vd get no gradient here.
 
     Returns:
         ``o`` ``[B, Hq, T, D]`` in the input dtype (fp16, bf16 or fp32; all inputs share it).
@@ -113,14 +127,10 @@ def moda_attn(
             raise ValueError(f"kd {tuple(kd.shape)} and vd {tuple(vd.shape)} differ")
         if kd.shape[:3] != (B, Hk, T) or kd.shape[4] != D:
             raise ValueError(f"kd/vd {tuple(kd.shape)} must be [B, Hk, T, S, D] = [{B}, {Hk}, {T}, S, {D}]")
-    if depth_grad_acc is not None:
-        if kd is None:
-            raise ValueError("depth_grad_acc needs kd and vd")
-        for name, t, ref in zip(("gkd", "gvd"), depth_grad_acc, (kd, vd), strict=True):
-            if t.shape != ref.shape or t.device != ref.device or t.dtype not in (ref.dtype, torch.float32):
-                raise ValueError(f"depth_grad_acc {name}: {t.dtype} {tuple(t.shape)} on {t.device} does not match kd")
-            if t.stride(-1) != 1:
-                raise ValueError(f"depth_grad_acc {name} needs a unit last stride, got strides {t.stride()}")
+    if depth_grad_acc is not None and kd is None:
+        raise ValueError("depth_grad_acc needs kd and vd")
+    if depth_grad_acc is not None and not callable(depth_grad_acc):
+        _check_acc(depth_grad_acc, kd, vd)
     if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
         raise RuntimeError("moda_attn runs on CUDA (or on CPU with TRITON_INTERPRET=1); use moda_attn_naive")
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
@@ -134,4 +144,4 @@ def moda_attn(
         o = q.new_zeros(q.shape)
         # keep the graph connected so backward returns zeros of the right shapes
         return o + 0 * q.sum() if q.requires_grad else o
-    return _MoDAAttn.apply(q, k, v, kd, vd, scale, *(depth_grad_acc or (None, None)))
+    return _MoDAAttn.apply(q, k, v, kd, vd, scale, depth_grad_acc)

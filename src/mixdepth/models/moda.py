@@ -19,7 +19,9 @@ Design choices (see the docstrings below for the why):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -110,15 +112,32 @@ def _alias(buf: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     return buf.new_empty(0).set_(buf.untyped_storage(), view.storage_offset(), view.shape, view.stride())
 
 
+class SlotGrads:
+    """The slot-gradient buffers dL/dk, dL/dv ``[B, Hk, T, n_slots, hd]`` (slot dtype), summed over each
+    slot's reads. Allocated (zeroed) on the first request, which comes in the backward pass, after the head's
+    logits and their gradient are freed: the buffers never add to the forward-time peak."""
+
+    def __init__(self, like_k: torch.Tensor, like_v: torch.Tensor, shape: tuple[int, ...]):
+        self.shape, self.like = shape, (like_k, like_v)  # like_*: 0-element tensors (dtype, device)
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def views(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots [lo, hi) of both buffers, ``[B, Hk, T, hi-lo, hd]`` each."""
+        if self.k is None:
+            self.k, self.v = (t.new_zeros(self.shape) for t in self.like)
+        return self.k[:, :, :, lo:hi], self.v[:, :, :, lo:hi]
+
+
 class _SlotWrite(torch.autograd.Function):
     """Slot i := (k, v); returns a token (empty tensor) that every read of slot i takes as an input.
 
     Backward hands slot i's summed gradient to k and v, once per slot, as views of the gradient buffers.
     The sum is complete then: autograd runs a node only after all nodes consuming its outputs, i.e. after
     every read of slot i, and each read only after the attention that consumed it (which may have added
-    into the buffers itself). This holds for every slot kind and ``depth_window``: block l writes its
-    attention slot, then ``extra``, then ``ffn``, all after its own read, and only layers > l read them
-    (``depth_range(l)`` ends at l's first slot), so readers are later layers, whose backward runs first.
+    into the buffers itself). This holds for every slot kind and ``depth_window``: a block writes its own
+    slots and reads only slots of earlier blocks (``depth_range(l)`` ends at l's first slot), so a slot's
+    readers are later layers, whose backward runs first.
     """
 
     @staticmethod
@@ -126,15 +145,16 @@ class _SlotWrite(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # the token's gradient is always None
         store.k[:, :, :, i].copy_(k)
         store.v[:, :, :, i].copy_(v)
-        ctx.grad = None if store.gk is None else (store.gk[:, :, :, i], store.gv[:, :, :, i])  # [B, Hk, T, hd]
+        ctx.grad = None if store.grad is None else (store.grad, i)
         return k.new_empty(0)
 
     @staticmethod
     def backward(ctx, _):
         if ctx.grad is None:  # handed out already: a second backward would re-add into the same sums
             raise RuntimeError("MoDA depth slots support one backward pass per forward pass")
-        (gk, gv), ctx.grad = ctx.grad, None
-        return None, None, gk, gv
+        (grads, i), ctx.grad = ctx.grad, None
+        gk, gv = grads.views(i, i + 1)
+        return None, None, gk[:, :, :, 0], gv[:, :, :, 0]  # [B, Hk, T, hd]
 
 
 class _SlotRead(torch.autograd.Function):
@@ -143,16 +163,18 @@ class _SlotRead(torch.autograd.Function):
     returns nothing per slot: each slot's write hands the sum on."""
 
     @staticmethod
-    def forward(ctx, store, lo, hi, grad, *tokens):
+    def forward(ctx, store, lo, hi, *tokens):
         ctx.set_materialize_grads(False)
-        ctx.grad = grad
+        ctx.grad = store.grad, lo, hi
         return _alias(store.k, lo, hi), _alias(store.v, lo, hi)  # [B, Hk, T, hi-lo, hd] each
 
     @staticmethod
     def backward(ctx, gkd, gvd):
-        for buf, g in zip(ctx.grad, (gkd, gvd), strict=True):
-            if g is not None:
-                buf.add_(g)
+        grads, lo, hi = ctx.grad
+        if gkd is not None or gvd is not None:
+            for buf, g in zip(grads.views(lo, hi), (gkd, gvd), strict=True):
+                if g is not None:
+                    buf.add_(g)
         return (None,) * len(ctx.needs_input_grad)
 
 
@@ -161,20 +183,19 @@ class DepthStore:
 
     Memory is O(L) slots: the buffers hold each slot once, and reads are strided prefix (or window) views
     handed to the attention (the Triton kernel reads them in place). With autograd on, two gradient buffers
-    of the same shape collect every read's depth gradient (one add per buffer and read, or none: the kernel
-    adds in place), and each slot's write hands its sum on once: O(L) ops per step, not one per (slot, read).
-    They use the slot dtype, not fp32: autograd summed these gradients in that dtype before (so no precision
-    is lost; the kernel even adds its fp32 values with one rounding per read), and bf16 halves their memory
-    and every read's add traffic. Buffers are allocated lazily on the first write (dtype and shape of that
-    slot); ``allocations`` counts them for the memory test: 2 slot buffers, plus 2 gradient buffers.
+    of the same shape (``SlotGrads``, allocated in the backward pass) collect every read's depth gradient
+    (one add per buffer and read, or none: the kernel adds in place), and each slot's write hands its sum on
+    once: O(L) ops per step, not one per (slot, read). They use the slot dtype, not fp32: autograd summed these
+    gradients in that dtype before (so no precision is lost; the kernel even adds its fp32 values with one
+    rounding per read), and bf16 halves their memory and every read's add traffic. The slot buffers are
+    allocated on the first write (dtype and shape of that slot); ``allocations`` counts them (2).
     """
 
     def __init__(self, n_slots: int):
         self.n_slots = n_slots
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
-        self.gk: torch.Tensor | None = None  # dL/dk, dL/dv of every slot, summed over its reads
-        self.gv: torch.Tensor | None = None
+        self.grad: SlotGrads | None = None  # with autograd on
         self.tokens: list[torch.Tensor | None] = [None] * n_slots
         self.src_k: list[torch.Tensor | None] = [None] * n_slots  # the tensors written, for inspection
         self.src_v: list[torch.Tensor | None] = [None] * n_slots
@@ -188,22 +209,22 @@ class DepthStore:
         if self.k is None:
             self.k, self.v = k.new_empty(shape), v.new_empty(shape)
             self.allocations += 2
-        if self.gk is None and torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
-            self.gk, self.gv = k.new_zeros(shape), v.new_zeros(shape)
-            self.allocations += 2
+        if self.grad is None and torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+            self.grad = SlotGrads(k.new_empty(0), v.new_empty(0), shape)
         self.tokens[i] = _SlotWrite.apply(self, i, k, v)
         self.src_k[i], self.src_v[i] = k, v
 
     @torch.compiler.disable
-    def read(self, lo: int, hi: int) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple | None]:
-        """Slots [lo, hi) as ``[B, Hk, T, hi-lo, hd]`` views kd, vd of the buffers, and the matching views
-        (gk, gv) of the gradient buffers (None without autograd), where an attention may add kd's and vd's
-        gradients itself instead of returning them; (None, None, None) when empty."""
+    def read(self, lo: int, hi: int):
+        """Slots [lo, hi) as ``[B, Hk, T, hi-lo, hd]`` views kd, vd of the buffers, and a function returning
+        the matching views (gk, gv) of the gradient buffers (None without autograd; call it in the backward
+        pass), into which an attention may add kd's and vd's gradients itself instead of returning them;
+        (None, None, None) when empty."""
         if hi <= lo:
             return None, None, None
         assert all(t is not None for t in self.tokens[lo:hi]), "reading an unwritten depth slot"
-        grad = None if self.gk is None else (self.gk[:, :, :, lo:hi], self.gv[:, :, :, lo:hi])
-        return *_SlotRead.apply(self, lo, hi, grad, *self.tokens[lo:hi]), grad
+        grad = None if self.grad is None else partial(self.grad.views, lo, hi)
+        return *_SlotRead.apply(self, lo, hi, *self.tokens[lo:hi]), grad
 
 
 # ---- attention ----------------------------------------------------------------------------------------
@@ -212,14 +233,14 @@ def _kernel_ok(q: torch.Tensor, impl: str) -> bool:
     return q.is_cuda and impl != "naive" and 16 <= D <= 256 and D & (D - 1) == 0
 
 
-def joint_attention(q, k, v, kd, vd, impl: str, depth_grad: tuple | None = None) -> torch.Tensor:
+def joint_attention(q, k, v, kd, vd, impl: str, depth_grad: Callable[[], tuple] | None = None) -> torch.Tensor:
     """One softmax over causal sequence K/V and same-position depth slots.
 
     q: [B, Hq, T, hd]; k, v: [B, Hk, T, hd]; kd, vd: [B, Hk, T, S, hd] or None -> [B, Hq, T, hd].
     On CUDA (head dims it supports) the ``moda_attn`` op (torch's fused causal attention merged with the
     Triton depth kernels), the fp32 reference otherwise (CPU, FLOP counting); without slots (layer 0) SDPA's
-    fused causal kernels unless ``impl='naive'``. ``depth_grad``: (gk, gv)
-    shaped like kd, vd, into which the kernel adds kd's and vd's gradients in place (they then flow back as
+    fused causal kernels unless ``impl='naive'``. ``depth_grad``: a function returning (gk, gv) shaped like
+    kd, vd, into which the kernel's backward adds kd's and vd's gradients in place (they then flow back as
     None); the other paths ignore it and return those gradients through autograd.
     """
     # imported here, not at module import: Triton fixes interpret mode when kernel.py is imported, and

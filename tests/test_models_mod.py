@@ -318,3 +318,19 @@ def test_registry_and_sweep_plan_for_mod():
     assert archs == {"dense", "mod"}
     for t in trials:
         assert t.flops_per_token == t.model.flops_per_token() and t.params == t.model.n_params()
+
+
+def test_router_fp32_predictor_in_autocast_dtype():
+    """Under bf16 autocast the router's scores are computed in fp32 (they decide top-k); the predictor's matmuls
+    run in bf16 (a stop-grad classifier) and only its logits come back as fp32."""
+    from mixdepth.models.routing import CausalPredictor, Router
+
+    torch.manual_seed(0)
+    router, pred = Router(32), CausalPredictor(32, 8)
+    x = torch.randn(2, 5, 32)
+    seen = {}
+    pred.fc1.register_forward_hook(lambda m, i, o: seen.update(fc1=o.dtype))
+    with torch.autocast("cpu", torch.bfloat16):
+        r, p = router(x.bfloat16()), pred(x.bfloat16())
+    assert r.dtype == p.dtype == torch.float32 and seen["fc1"] == torch.bfloat16
+    torch.testing.assert_close(r, (x.bfloat16().float() @ router.proj.weight.float().T).squeeze(-1))

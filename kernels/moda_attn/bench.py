@@ -3,8 +3,8 @@
 Workload: forward + backward (``o.backward(do)``), bf16, the paper's Table 2 shapes by default
 (B=1, D=64, Hq=64, Hk=8, S=L=64 depth slots). Peers, timed side by side in one process:
 
-* ``moda``: this op (sequence causal + depth slots, one softmax): torch's cuDNN attention for the sequence
-  part merged with the Triton depth kernels; ``moda_flash``: the same with the flash sequence backend;
+* ``moda``: this op (sequence causal + depth slots, one softmax): torch's fused attention for the sequence
+  part (cuDNN on Hopper) merged with the Triton depth kernels; ``moda_flash``: the same with flash there;
 * ``sdpa_flash`` / ``sdpa_cudnn``: torch SDPA, plain causal attention WITHOUT depth (a lower bound for the
   sequence part), via ``torch.nn.attention.sdpa_kernel``;
 * ``flex_moda``: FlexAttention with a MoDA mask: the depth K/V concatenated after the sequence K/V on the key
@@ -201,8 +201,9 @@ def bench_moda_attn(
             note, ms = "", math.nan
             try:
                 if provider in ("moda", "moda_flash"):
-                    fn = _moda_fn(ins, do, "flash" if provider == "moda_flash" else None)
-                    note = f"sequence causal ({'flash' if provider == 'moda_flash' else 'cudnn'}) + depth slots"
+                    backend = "flash" if provider == "moda_flash" else None
+                    fn = _moda_fn(ins, do, backend)
+                    note = f"sequence causal ({backend or seq.backend_for(q)}) + depth slots"
                 elif provider == "sdpa_flash":
                     fn, note = _sdpa_fn(SDPBackend.FLASH_ATTENTION, q, k, v, do)
                     note = "no depth " + note

@@ -2,8 +2,8 @@
 
 Times each sequence backend's forward and backward, then the depth forward and backward kernels alone for
 every candidate of both variants (slot loop: rows, warps; tensor-core tiles: columns, warps), against the
-depth floor (the slot bytes each must move at 4.3 TB/s), and
-prints registers / spills. Used to pick ``kernel._GPU_CONFIGS``; results are recorded in BENCHMARKS.md.
+depth floor (the slot bytes each must move at 4.3 TB/s), and prints registers / spills. Used to pick
+``kernel._GPU_CONFIGS``; results are recorded in BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -59,14 +59,14 @@ def main(argv=None) -> None:
             print(f"sequence {name}: FAILED {type(e).__name__}: {str(e)[:100]}", flush=True)
     o, lse, _ = seq.seq_fwd(q, k, v, scale, seq.backend_for(q))
     dq = torch.zeros_like(q)
+    clones = _bench(lambda: (o.clone(), lse.clone()))  # the forward overwrites o, lse: each call gets fresh copies
     best = None
     for cfg in cands:
         name = f"loop rows={cfg.rows:3d} warps={cfg.warps}"
         if cfg.tile_min_g <= Hq // Hk:
             name = f"tiles cols={cfg.tile_cols:3d} warps={cfg.tile_warps}"
         try:
-            tf = _bench(lambda cfg=cfg: K.depth_fwd(q, kd, vd, o.clone(), lse.clone(), scale, cfg))
-            tf -= _bench(lambda: (o.clone(), lse.clone()))  # the clones keep every call's input the same
+            tf = _bench(lambda cfg=cfg: K.depth_fwd(q, kd, vd, o.clone(), lse.clone(), scale, cfg)) - clones
             tb = _bench(lambda cfg=cfg: K.depth_bwd(q, o, do, lse, dq, kd, vd, scale, cfg))
         except Exception as e:  # noqa: BLE001 - a config that does not fit must not stop the sweep
             print(f"{name}: FAILED {type(e).__name__}: {str(e)[:100]}", flush=True)

@@ -131,6 +131,10 @@ class DenseLM(nn.Module):
         x = self.embed(idx)  # [B, T, D]
         for block in self.blocks:
             x = block(x, self.rope)
+        return self.head_loss(x, targets)
+
+    def head_loss(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden x [B, T, D] -> logits [B, T, V], or with targets [B, T] the mean next-token loss."""
         logits = self.head(self.norm(x))  # [B, T, V]
         if targets is None:
             return logits

@@ -382,10 +382,16 @@ class MoDALM(DenseLM):
         return x, store
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        logits = self.head(self.norm(self.trunk(idx)[0]))  # [B, T, V]
-        if targets is None:
-            return logits
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return self.head_loss(self.trunk(idx)[0], targets)
+
+    def compile(self, *args, **kwargs) -> None:
+        """torch.compile every block and the head (with the loss), not the whole forward: each block breaks
+        the graph once, at its eager attention island, and dynamo runs a frame whose loop body breaks the graph
+        wholly eagerly (its nested calls each compiled on their own, the head and loss unfused). The loop over
+        blocks stays in Python; the compiled code is shared by all blocks."""
+        for block in self.blocks:
+            block.compile(*args, **kwargs)
+        self.head_loss = torch.compile(self.head_loss, *args, **kwargs)
 
     # ---- decoding -----------------------------------------------------------------------------------
     def new_cache(self, batch: int, max_len: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -303,8 +303,9 @@ def signature(fn):
     return sig
 
 
-cfg, n = K.Config(), 0
-for G, D, S in ((1, 64, 22), (3, 128, 5), (8, 64, 64)):
+n = 0
+for G, D, S in ((1, 64, 22), (2, 64, 22), (3, 128, 5), (8, 64, 64)):
+    cfg = K._GPU_CONFIGS.get((D, G)) or K._GPU_CONFIGS[(D, 1)]  # the shipped launch configs
     BT, M, N = cfg.tile(G, S)
     variants = [
         (K._depth_fwd, dict(G=G, GP=triton.next_power_of_2(G), D=D, BT=cfg.positions(G))),
@@ -338,7 +339,7 @@ def test_depth_kernels_compile_for_hopper():
     root = Path(__file__).resolve().parents[1]
     env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "src"), env.get("PYTHONPATH", "")])
     r = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "compiled 18" in r.stdout, r.stderr[-3000:]
+    assert r.returncode == 0 and "compiled 24" in r.stdout, r.stderr[-3000:]
 
 
 def test_depth_grad_acc_as_a_function_called_in_backward():

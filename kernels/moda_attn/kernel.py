@@ -349,11 +349,16 @@ class Config:
 
 
 _CPU_CONFIG = Config(rows=16, warps=1, tile_warps=1)
-# head dim -> config. D 64: from `python -m kernels.moda_attn.tune` on an H200 (BENCHMARKS.md): at G = 8 the tiles
-# beat the loop 2.2x; at G = 1 the loop with 16 rows / 4 warps runs at 1.2-1.3x the byte floor. G = 2 is not yet
-# measured: the loop's G-axis reductions compile to shared-memory round trips with 4 warps (as at G = 8, where they
-# cost 3-13x), so G >= 2 takes the tiles. D 128: half the tile columns (the backward holds two [N, D] fp32 tiles).
-_GPU_CONFIGS = {64: Config(rows=16, warps=4), 128: Config(rows=8, warps=4, tile_cols=64)}
+# (head dim, G) -> config, from `python -m kernels.moda_attn.tune` on an H200 (BENCHMARKS.md). D 64: at G = 8 the
+# tiles beat the loop 2.2x; at G = 1 the loop with 16 rows / 4 warps runs at 1.2-1.3x the byte floor; at G = 2 (the
+# model's GQA shape, S 22) the loop with 32 positions per program (64 rows) / 4 warps beats the best tiles by 12%
+# (0.282 vs 0.316 ms fwd+bwd), while 16 rows / 4 warps costs 7x in its backward (G-axis shuffles). D 128: half the
+# tile columns (the backward holds two [N, D] fp32 tiles); G = 2 not measured there, so it takes the tiles.
+_GPU_CONFIGS = {
+    (64, 1): Config(rows=16, warps=4),
+    (64, 2): Config(rows=64, warps=4, tile_min_g=3),
+    (128, 1): Config(rows=8, warps=4, tile_cols=64),
+}
 _override: Config | None = None
 LAST_COMPILED: dict[str, object] = {}  # kernel name -> last launched CompiledKernel (n_regs, n_spills)
 
@@ -364,12 +369,13 @@ def set_config(cfg: Config | None) -> None:
     _override = cfg
 
 
-def get_config(device: torch.device, D: int) -> Config:
+def get_config(device: torch.device, D: int, G: int) -> Config:
     if _override is not None:
         return _override
     if device.type != "cuda":
         return _CPU_CONFIG
-    return _GPU_CONFIGS.get(D, Config(rows=max(1, 1024 // D), warps=4))
+    cfg = _GPU_CONFIGS.get((D, G)) or _GPU_CONFIGS.get((D, 1))
+    return cfg or Config(rows=max(1, 1024 // D), warps=4)
 
 
 def _empty(shape, dtype, device) -> torch.Tensor:

@@ -20,7 +20,7 @@ class _MoDAAttn(torch.autograd.Function):
     def forward(ctx, q, k, v, kd, vd, scale, dkd_acc):
         backend = _seq.backend_for(q)
         o, lse, aux = _seq.seq_fwd(q, k, v, scale, backend)
-        cfg = _k.get_config(q.device, q.shape[-1])
+        cfg = _k.get_config(q.device, q.shape[-1], q.shape[1] // k.shape[1])
         if kd is not None and kd.shape[3] > 0:
             _k.depth_fwd(q, kd, vd, o, lse, scale, cfg)  # o, lse become the joint ones
         ctx.save_for_backward(q, k, v, kd, vd, o, lse)

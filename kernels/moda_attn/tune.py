@@ -46,7 +46,7 @@ def main(argv=None) -> None:
     kd, vd = r(B, Hk, T, S, D), r(B, Hk, T, S, D)
     scale = 1 / math.sqrt(D)
     slot_bytes = 2 * B * Hk * T * S * D * 2  # kd + vd
-    print(f"B={B} T={T} Hq={Hq} Hk={Hk} D={D} S={S}; default {K.get_config(q.device, D)}")
+    print(f"B={B} T={T} Hq={Hq} Hk={Hk} D={D} S={S}; default {K.get_config(q.device, D, Hq // Hk)}")
     floor = slot_bytes / 4.3e9
     print(f"depth floor: fwd {floor:.3f} ms (read kd, vd), bwd {2 * floor:.3f} ms (+ write dkd, dvd)")
     for name in ("cudnn", "flash"):

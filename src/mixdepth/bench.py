@@ -121,8 +121,27 @@ def _profile(step, label: str, rows: int) -> None:
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=60))
 
 
+def _gpu_busy_ms(step, n: int = 3) -> float:
+    """Mean time per step covered by at least one GPU kernel (union of kernel intervals) over n steps."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA)
+    busy, end = 0, float("-inf")
+    for a, b in spans:
+        busy += max(0, b - max(a, end))
+        end = max(end, b)
+    return busy / n / 1e3
+
+
 def bench_step(args) -> None:
     """Training-step time and peak memory of several archs at one shape, side by side (GPU, bf16)."""
+    from torch._dynamo.utils import counters
+
     from mixdepth.models import MODELS
 
     dev = torch.device("cuda")
@@ -143,6 +162,8 @@ def bench_step(args) -> None:
             **extra,
         )
         torch.manual_seed(0)
+        torch._dynamo.reset()
+        counters.clear()
         model = MODELS[arch][1](cfg).to(dev)
         if args.compile:
             model.compile()
@@ -169,6 +190,10 @@ def bench_step(args) -> None:
             t1.record()
             torch.cuda.synchronize()
             times.append(t0.elapsed_time(t1))
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        busy = _gpu_busy_ms(step)
+        frames = counters["frames"]
+        dynamo = f"{frames['ok']}/{frames['total']}, {sum(counters['graph_break'].values())}" if args.compile else "-"
         if args.profile:
             _profile(step, arch, args.profile)
         n = cfg.n_params()
@@ -178,8 +203,10 @@ def bench_step(args) -> None:
                 n["total"],
                 cfg.flops_per_token(),
                 statistics.median(times),
-                torch.cuda.max_memory_allocated() / 2**30,
+                busy,
+                peak,
                 extra,
+                dynamo,
             )
         )
         del model, opt
@@ -190,13 +217,20 @@ def bench_step(args) -> None:
         f" batch {args.batch_size}, vocab {args.vocab}, bf16 autocast, fused AdamW,"
         f" compile {args.compile}, {torch.cuda.get_device_name(0)}, torch {torch.__version__}"
     )
-    print("| arch | options | params | fwd FLOPs/token | step ms (median) | vs first | FLOP ratio | peak GiB |")
-    print("|---|---|---|---|---|---|---|---|")
-    for arch, p, f, ms, mem, extra in rows:
+    print(
+        "| arch | options | params | fwd FLOPs/token | step ms (median) | vs first | FLOP ratio | peak GiB |"
+        " GPU busy ms | dynamo frames ok/total, graph breaks |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for arch, p, f, ms, busy, mem, extra, dynamo in rows:
         print(
             f"| {arch} | {extra or ''} | {p / 1e6:.1f}M | {f:.4g} | {ms:.2f} | {base[3] / ms:.3f}x faster |"
-            f" {base[2] / f:.3f}x | {mem:.1f} |"
+            f" {base[2] / f:.3f}x | {mem:.2f} | {busy:.2f} | {dynamo} |"
         )
+    print(
+        "GPU busy ms: time per step in which some GPU kernel runs (3 profiled steps); well below the step time"
+        " means the step waits on the host (launches). peak GiB: torch.cuda.max_memory_allocated, timed steps."
+    )
 
 
 def main() -> None:

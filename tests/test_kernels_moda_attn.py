@@ -116,6 +116,27 @@ def test_strided_slot_buffer_prefix():
     assert got[4][:, :, :, n:].abs().max() == 0  # unused slots get no gradient
 
 
+def test_heads_transposed_layout():
+    """q, k, v as [B, H, T, D] views of [B, T, H, D] tensors (what a fused projection yields): k and v are read
+    in place by the sequence attention, q is made contiguous; outputs and every gradient match the reference."""
+    B, Hk, G, T, S, D = 2, 2, 2, 21, 3, 16
+    g = torch.Generator().manual_seed(11)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g).to(DEV).requires_grad_()
+
+    q_, k_, v_ = r(B, T, Hk * G, D), r(B, T, Hk, D), r(B, T, Hk, D)
+    kd, vd = r(B, Hk, T, S, D), r(B, Hk, T, S, D)
+    q, k, v = (t.transpose(1, 2) for t in (q_, k_, v_))
+    assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
+    o = moda_attn(q, k, v, kd, vd)
+    do = torch.randn(o.shape, generator=g).to(o)
+    got = (o, *torch.autograd.grad(o, (q_, k_, v_, kd, vd), do))
+    o_ref = moda_attn_naive(q, k, v, kd, vd)
+    ref = (o_ref, *torch.autograd.grad(o_ref, (q_, k_, v_, kd, vd), do))
+    check(got, ref)
+
+
 def test_none_depth_is_plain_causal():
     q, k, v, kd, vd = make(1, 1, 2, 33, 0, 16, seed=7)
     o = moda_attn(q, k, v)

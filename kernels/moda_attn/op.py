@@ -137,7 +137,7 @@ def moda_attn(
     if not scale > 0 or not math.isfinite(scale):
         raise ValueError(f"scale must be positive and finite, got {scale}")
 
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    q, k, v = q.contiguous(), _unit_last(k), _unit_last(v)  # only the depth kernels need q contiguous
     if kd is not None:
         kd, vd = _unit_last(kd), _unit_last(vd)
     if T == 0 or B == 0:

@@ -344,7 +344,9 @@ class MoDABlock(nn.Module):
         B, T, D = x.shape
         h = self.norm1(x) if self.pre else x
         q, k, v = self.attn.qkv(h, rope, pos)
-        q, k = q.to(v.dtype), k.to(v.dtype)  # QK-norm's fp32 weight can promote q, k under autocast
+        # QK-norm's fp32 weight can promote q, k under autocast; q contiguous here, where the compiled code writes
+        # it so straight from RoPE, instead of a copy in the attention (k, v are read in their [B, T, H, hd] layout)
+        q, k = q.to(v.dtype).contiguous(), k.to(v.dtype)
         extra = self.extra_kv(h, rope, pos) if self.extra_kv is not None else None
         if cache is None:
             y = self._attend(store, q, k, v, extra, pending)

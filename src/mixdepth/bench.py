@@ -166,11 +166,12 @@ def bench_step(args) -> None:
         counters.clear()
         model = MODELS[arch][1](cfg).to(dev)
         if args.compile:
-            model.compile()
+            model.compile(mode=args.compile_mode)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         x = torch.randint(0, args.vocab, (args.batch_size, T + 1), device=dev)
 
         def step(model=model, opt=opt, x=x):
+            torch.compiler.cudagraph_mark_step_begin()  # a new iteration for CUDA graphs (reduce-overhead)
             with torch.autocast("cuda", torch.bfloat16):
                 loss = model.loss(x[:, :-1], x[:, 1:])
             loss.backward()
@@ -215,7 +216,8 @@ def bench_step(args) -> None:
     print(
         f"d_model {d}, {args.n_layers} layers, {d // 64} heads, {args.kv_heads or d // 64} KV heads, T {T},"
         f" batch {args.batch_size}, vocab {args.vocab}, bf16 autocast, fused AdamW,"
-        f" compile {args.compile}, {torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+        f" compile {args.compile} (mode {args.compile_mode or 'default'}), {torch.cuda.get_device_name(0)},"
+        f" torch {torch.__version__}"
     )
     print(
         "| arch | options | params | fwd FLOPs/token | step ms (median) | vs first | FLOP ratio | peak GiB |"
@@ -259,6 +261,9 @@ def main() -> None:
     sp.add_argument("--kv-heads", type=int, default=0, help="KV heads (GQA); 0 = as many as query heads (d/64)")
     sp.add_argument("--vocab", type=int, default=50304, help="vocabulary (tied embeddings); 256 = byte-level")
     sp.add_argument("--compile", action="store_true", help="torch.compile every model")
+    sp.add_argument(
+        "--compile-mode", default=None, help="torch.compile mode, e.g. reduce-overhead (CUDA graphs); default: default"
+    )
     sp.add_argument("--profile", type=int, default=0, help="print the N heaviest GPU kernels per arch")
     sp.add_argument("--set", nargs="*", default=[], help="arch.key=value model options, e.g. mod.capacity=0.125")
     args = p.parse_args()

@@ -49,15 +49,16 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _inputs(B, Hq, Hk, T, S, D, dtype, device, seed=0):
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    """Random inputs drawn on the device itself, in their dtype: the largest Table 2 shapes hold 4-9 GB of depth
+    slots, which take longer to draw in fp32 on the host and copy over than the benchmark itself."""
+    g = torch.Generator(device=device).manual_seed(seed)
 
     def r(*shape):
-        return torch.randn(*shape, generator=g).to(device, dtype).requires_grad_()
+        return torch.randn(*shape, generator=g, device=device, dtype=dtype).requires_grad_()
 
     q, k, v = r(B, Hq, T, D), r(B, Hk, T, D), r(B, Hk, T, D)
     kd, vd = r(B, Hk, T, S, D), r(B, Hk, T, S, D)
-    do = torch.randn(B, Hq, T, D, generator=g).to(device, dtype)
-    return [q, k, v, kd, vd], do
+    return [q, k, v, kd, vd], r(B, Hq, T, D).detach()
 
 
 def check_moda_attn(

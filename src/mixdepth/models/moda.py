@@ -286,15 +286,13 @@ class DepthKV(nn.Module):
     def __init__(self, d_model: int, n_kv_heads: int, head_dim: int, qk_norm: bool):
         super().__init__()
         self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
-        self.wk = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
-        self.wv = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
+        self.wkv = nn.Linear(d_model, 2 * n_kv_heads * head_dim, bias=False)  # K rows, then V rows: one matmul
         self.k_norm = RMSNorm(head_dim) if qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: Rotary, pos: torch.Tensor | None):
         """x: [B, T, D] -> k, v [B, Hk, T, hd]."""
         B, T, _ = x.shape
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        k, v = self.wkv(x).view(B, T, 2, self.n_kv_heads, self.head_dim).transpose(1, 3).unbind(2)
         if self.k_norm is not None:
             k = self.k_norm(k)
         return rope(k, pos).to(v.dtype), v  # the norm's fp32 weight can promote k under autocast

@@ -214,6 +214,24 @@ def test_distinct_unchecked_bad_index_is_harmless():
     assert torch.equal(y[0, 2:], x[0, 2:]) and torch.equal(y[1, 1], x[1, 1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_distinct_indexed_form(dtype):
+    """The scatter-add as traced under torch.compile (plain indexing) against the reference: routed rows, and
+    unselected rows bit-identical; batched (an invalid position 9 of T 9 writes nothing) and flat."""
+    idx = torch.tensor([[1, 9, 4], [0, 2, 7]], device=DEVICE)
+    x, f, w = _inputs((2, 9, 33), (2, 3), dtype, torch.float32, seed=4)
+    y = rop._scatter_add_indexed(x.reshape(-1, 33), idx, f.reshape(-1, 33), w.reshape(-1)).view(x.shape)
+    valid = idx < 9
+    y_ref = route_scatter_add_naive(x, idx.clamp(max=8), f * valid[..., None], w, distinct=True)
+    assert_close("y", y_ref, y, TOL[dtype])
+    untouched = torch.ones(2, 9, dtype=torch.bool, device=DEVICE)
+    untouched.scatter_(1, idx.clamp(max=8), ~valid)
+    assert torch.equal(y[untouched], x[untouched]) and untouched.sum() == 13
+    flat = torch.tensor([5, 0, 11], device=DEVICE)
+    x, f, w = _inputs((12, 8), (3,), dtype, torch.float32, seed=5)
+    assert_close("y", route_scatter_add_naive(x, flat, f, w), rop._scatter_add_indexed(x, flat, f, w), TOL[dtype])
+
+
 @pytest.mark.parametrize("naive", [False, True])
 def test_distinct_contract_checked(naive):
     """Repeats under distinct=True: the reference and check=True raise; rows of different sequences may match."""

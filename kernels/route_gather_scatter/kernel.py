@@ -244,7 +244,7 @@ def gather_rows(src: torch.Tensor, idx: torch.Tensor, block_d: int | None = None
 
 
 def scatter_rows(
-    out: torch.Tensor, idx: torch.Tensor, src: torch.Tensor, w: torch.Tensor | None, block_d: int | None = None
+    out: torch.Tensor, idx: torch.Tensor, src: torch.Tensor, w: torch.Tensor, block_d: int | None = None
 ) -> torch.Tensor:
     """In place ``out[row j] += w[j] * src[j]`` (fp32 sum, rounded once) for DISTINCT rows: no atomics.
 
@@ -254,7 +254,7 @@ def scatter_rows(
         out: ``[N, D]`` with unit column stride, updated in place.
         idx: contiguous ``[K]`` rows, or ``[B, K]`` positions (see the module docstring); int64 or int32.
         src: ``[B * K, D]`` contributions.
-        w: ``[B * K]`` per-contribution weights, or None (one).
+        w: ``[B * K]`` per-contribution weights.
         block_d: columns per program; see ``gather_rows``.
 
     Returns:

@@ -10,7 +10,11 @@ Two forms, chosen by ``x.dim()``:
 ``distinct=True`` (keyword) is the fast path for indices that never repeat a row (MoD's per-sequence top-k,
 and its causal-rule lists: distinct, sorted or not; sorted only helps locality). It skips the sort + CSR build:
 scatter-add is ``y = x.clone()`` plus one kernel adding ``w[j] * f[j]`` into rows ``idx[j]`` (no atomics: a
-row gets at most one update), gather's backward is zeros plus the same kernel. The promise is not verified
+row gets at most one update); gather's backward reads each row's slot from the inverse map ``slot[row] = j``
+(``dx = [g; 0][slot]``). Under ``torch.compile`` the distinct scatter-add is written the same way,
+``y = where(selected, x + [w f; 0][slot], x)``: plain indexing that inductor fuses into the kernels around
+it (the residual add before, the next norm after), where an opaque kernel needs its own full copy of ``x``
+(and, for a kernel that mutates its input, a zeroed ``dx`` plus a copy of it). The promise is not verified
 on the hot path (that needs a host sync); ``check`` verifies it along with the range, and the naive
 reference always does. Broken, the op stays memory-safe but a repeated row keeps one contribution of its
 several (race), in y and in dx. Results equal the general path's: same fp32 sums, rounded once.
@@ -75,6 +79,29 @@ def _flat_index(idx: torch.Tensor, n: int) -> torch.Tensor:
     return torch.where((idx >= 0) & (idx < t), naive.flatten_index(idx, t).view(idx.shape), -1).reshape(-1)
 
 
+def _slots(idx: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of a distinct index list: ``[n]`` int64, ``slot[r] = j`` for the entry j that selects row r,
+    ``K_total`` for unselected rows. Invalid entries (outside the sequence, or outside [0, n)) select nothing."""
+    rows = _flat_index(idx, n)  # [K_total]
+    k = rows.numel()
+    rows = torch.where((rows >= 0) & (rows < n), rows, n)  # invalid entries land in a spare slot, dropped
+    slot = torch.full((n + 1,), k, dtype=torch.int64, device=rows.device)
+    slot[rows] = torch.arange(k, device=rows.device)
+    return slot[:n]
+
+
+def _pad_row(t: torch.Tensor) -> torch.Tensor:
+    """``[K, D] -> [K + 1, D]``: a zero row at index K, what unselected rows read through ``_slots``."""
+    return torch.cat([t, t.new_zeros(1, t.shape[1])])
+
+
+def _scatter_add_indexed(x: torch.Tensor, idx: torch.Tensor, f: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Distinct scatter-add in plain indexing (the compiled form): x [N, D], f [K, D], w [K] -> y [N, D]."""
+    slot = _slots(idx, x.shape[0])
+    upd = _pad_row(f.float() * w.float()[:, None])[slot]  # [N, D] fp32, zero on unselected rows
+    return torch.where((slot < idx.numel())[:, None], (x.float() + upd).to(x.dtype), x)
+
+
 class _RouteGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, idx: torch.Tensor, distinct: bool) -> torch.Tensor:  # x [N, D]
@@ -88,8 +115,8 @@ class _RouteGather(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:
             return None, None, None
         g = g.contiguous()
-        if ctx.distinct:
-            dx = _k.scatter_rows(g.new_zeros(ctx.n_rows, g.shape[1]), idx, g, None)
+        if ctx.distinct:  # one pass writing every row; under compile fused into the sum of x's gradients
+            dx = _pad_row(g)[_slots(idx, ctx.n_rows)]
         else:
             order, seg = _k.build_segments(_flat_index(idx, ctx.n_rows), ctx.n_rows)
             dx = _k.segment_sum(None, g, None, order, seg, g.dtype)
@@ -100,6 +127,8 @@ class _RouteScatterAdd(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, idx: torch.Tensor, f: torch.Tensor, w: torch.Tensor, distinct: bool):
         ctx.save_for_backward(idx, f, w)
+        if distinct and torch.compiler.is_compiling():  # plain indexing: inductor fuses it with its neighbours
+            return _scatter_add_indexed(x, idx, f, w)
         if distinct:
             return _k.scatter_rows(x.clone(), idx, f, w)  # [N, D]
         order, seg = _k.build_segments(_flat_index(idx, x.shape[0]), x.shape[0])

@@ -18,7 +18,6 @@ from functools import partial
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels.route_gather_scatter.op import route_gather, route_scatter_add
@@ -229,10 +228,9 @@ class MoDLM(DenseLM):
         aux_weight·router BCE + predictor BCE (top-k mode, layer means; random routing skips the router BCE,
         whose targets are noise there); causal mode has no top-k targets and returns the LM loss."""
         x, infos = self.trunk(idx, mode or self.route_mode)
-        logits = self.head(self.norm(x))  # [B, T, V]
         if targets is None:
-            return logits
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            return self.head_loss(x)  # [B, T, V]
+        loss = self.head_loss(x, targets)
         infos = [i for i in infos if i.target is not None]
         if infos:
             if self.cfg.routing == "learned":
@@ -243,8 +241,7 @@ class MoDLM(DenseLM):
     # ---- held-out statistics ----------------------------------------------------------------------
     def _lm(self, idx, targets, mode):
         x, infos = self.trunk(idx, mode)
-        logits = self.head(self.norm(x))
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()), infos
+        return self.head_loss(x, targets), infos
 
     @torch.no_grad()
     def eval_sums(self, idx: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -298,7 +295,7 @@ class MoDLM(DenseLM):
     def prefill(self, idx: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
         """Causal-mode forward of a prompt idx [B, T0] filling ``caches`` -> logits [B, T0, V]."""
         x, _ = self.trunk(idx, "causal", caches)
-        return self.head(self.norm(x))
+        return self.head_loss(x)
 
     def decode_step(self, tok: torch.Tensor, pos: int, caches: list[KVCache]) -> torch.Tensor:
         """tok [B, 1] at position ``pos`` -> logits [B, V]; full layers cache every token, routed layers
@@ -310,7 +307,7 @@ class MoDLM(DenseLM):
                 x = blk.decode(x, self.rope, p, cache)
             else:
                 x = blk.forward_with(x, partial(_decode_attn, attn=blk.attn, rope=self.rope, pos=p, cache=cache))
-        return self.head(self.norm(x))[:, 0]
+        return self.head_loss(x)[:, 0]
 
     @torch.no_grad()
     def generate(

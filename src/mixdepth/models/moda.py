@@ -405,7 +405,7 @@ class MoDALM(DenseLM):
         """Tokens idx [B, n] at positions start..start+n-1 (prefill or one token) -> logits [B, n, V]."""
         if start + idx.shape[1] > self.cfg.seq_len:
             raise ValueError(f"position {start + idx.shape[1] - 1} is beyond seq_len={self.cfg.seq_len}")
-        return self.head(self.norm(self.trunk(idx, cache, start)[0]))
+        return self.head_loss(self.trunk(idx, cache, start)[0])
 
     @torch.no_grad()
     def generate(

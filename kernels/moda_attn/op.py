@@ -34,8 +34,9 @@ class _MoDAAttn(torch.autograd.Function):
         do = do.contiguous()
         dq, dk, dv = _seq.seq_bwd(do, q, k, v, o, lse, ctx.aux, ctx.scale, ctx.backend)
         dkd = dvd = None
-        acc = ctx.acc() if callable(ctx.acc) else ctx.acc
-        if callable(ctx.acc):
+        acc = ctx.acc
+        if callable(acc):  # the buffers, requested now that the backward needs them
+            acc = acc()
             _check_acc(acc, kd, vd)
         if kd is not None and kd.shape[3] > 0:
             dq = dq.contiguous()

@@ -138,7 +138,7 @@ def test_depth_buffer_is_written_once_and_read_in_place(monkeypatch):
     calls = record_attention(monkeypatch)
     x = torch.randint(0, 64, (2, 16))
     _, store = model.trunk(x)
-    assert store.allocations == 2 and store.k.shape == (2, 2, 16, model.cfg.n_slots, 16)
+    assert store.allocations == 2 and store.k.shape == (model.cfg.n_slots, 2, 2, 16, 16)  # slot-major
     assert store.grad is not None and store.grad.k is None  # nothing allocated yet
     elem = store.k.element_size()
     for layer, c in enumerate(calls[1:], 1):
@@ -149,8 +149,8 @@ def test_depth_buffer_is_written_once_and_read_in_place(monkeypatch):
             *zip(c["depth_grad"](), (store.grad.k, store.grad.v), strict=True),
         )
         for read, buf in reads:
-            assert read.data_ptr() == buf.data_ptr() + lo * buf.stride(3) * elem
-            assert read.stride() == buf.stride() and read.shape == c["kd"].shape
+            assert read.data_ptr() == buf.data_ptr() + lo * buf.stride(0) * elem
+            assert read.stride() == buf.permute(1, 2, 3, 0, 4).stride() and read.shape == c["kd"].shape
     assert store.grad.k.shape == store.k.shape and store.grad.k.abs().max() == 0
     with torch.no_grad():
         s2 = model.trunk(x)[1]

@@ -14,7 +14,7 @@ Design choices (see the docstrings below for the why):
 * RoPE on depth keys: a slot lives at the query's own position t and q is rotated at t, so every depth key
   is rotated at t too (the reused attention K already is). Then q_t . k_t is position-free, exactly as if
   neither were rotated; an unrotated depth key would make the depth logits depend on absolute position.
-* Depth slots live once in a preallocated buffer ``[B, Hk, T, n_slots, hd]`` (see ``DepthStore``).
+* Depth slots live once in a preallocated buffer ``[n_slots, B, Hk, T, hd]`` (see ``DepthStore``).
 """
 
 from __future__ import annotations
@@ -101,19 +101,24 @@ class MoDAConfig(DenseConfig):
 
 
 # ---- the depth buffer -------------------------------------------------------------------------------
+def _slots(buf: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Slots [lo, hi) of a slot-major buffer ``[n_slots, B, H, T, hd]`` as a ``[B, H, T, hi-lo, hd]`` view."""
+    return buf[lo:hi].permute(1, 2, 3, 0, 4)
+
+
 def _alias(buf: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    """``buf[:, :, :, lo:hi]`` as a tensor sharing buf's storage but with its OWN autograd version counter.
+    """``_slots(buf, lo, hi)`` as a tensor sharing buf's storage but with its OWN autograd version counter.
 
     Writes of later slots go through ``buf`` (bumping only buf's counter), so a read saved for backward by
     an earlier layer's attention does not trip autograd's in-place check. That is sound because writes only
     touch slot indices >= hi of every read already made (slot write order = index order).
     """
-    view = buf[:, :, :, lo:hi]
+    view = _slots(buf, lo, hi)
     return buf.new_empty(0).set_(buf.untyped_storage(), view.storage_offset(), view.shape, view.stride())
 
 
 class SlotGrads:
-    """The slot-gradient buffers dL/dk, dL/dv ``[B, Hk, T, n_slots, hd]`` (slot dtype), summed over each
+    """The slot-gradient buffers dL/dk, dL/dv ``[n_slots, B, Hk, T, hd]`` (slot dtype), summed over each
     slot's reads. Allocated (zeroed) on the first request, which comes in the backward pass, after the head's
     logits and their gradient are freed: the buffers never add to the forward-time peak."""
 
@@ -124,9 +129,17 @@ class SlotGrads:
 
     def views(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots [lo, hi) of both buffers, ``[B, Hk, T, hi-lo, hd]`` each."""
+        self._alloc()
+        return _slots(self.k, lo, hi), _slots(self.v, lo, hi)
+
+    def slot(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slot i of both buffers, contiguous ``[B, Hk, T, hd]`` each."""
+        self._alloc()
+        return self.k[i], self.v[i]
+
+    def _alloc(self) -> None:
         if self.k is None:
             self.k, self.v = (t.new_zeros(self.shape) for t in self.like)
-        return self.k[:, :, :, lo:hi], self.v[:, :, :, lo:hi]
 
 
 class _SlotWrite(torch.autograd.Function):
@@ -143,8 +156,8 @@ class _SlotWrite(torch.autograd.Function):
     @staticmethod
     def forward(ctx, store, i, k, v):
         ctx.set_materialize_grads(False)  # the token's gradient is always None
-        store.k[:, :, :, i].copy_(k)
-        store.v[:, :, :, i].copy_(v)
+        store.k[i].copy_(k)  # contiguous slot: a plain copy when k is [B, Hk, T, hd] contiguous
+        store.v[i].copy_(v)
         ctx.grad = None if store.grad is None else (store.grad, i)
         return k.new_empty(0)
 
@@ -153,8 +166,7 @@ class _SlotWrite(torch.autograd.Function):
         if ctx.grad is None:  # handed out already: a second backward would re-add into the same sums
             raise RuntimeError("MoDA depth slots support one backward pass per forward pass")
         (grads, i), ctx.grad = ctx.grad, None
-        gk, gv = grads.views(i, i + 1)
-        return None, None, gk[:, :, :, 0], gv[:, :, :, 0]  # [B, Hk, T, hd]
+        return None, None, *grads.slot(i)  # [B, Hk, T, hd] contiguous
 
 
 class _SlotRead(torch.autograd.Function):
@@ -179,7 +191,7 @@ class _SlotRead(torch.autograd.Function):
 
 
 class DepthStore:
-    """Preallocated depth K/V buffers ``[B, Hk, T, n_slots, hd]``, each slot written once, read as views.
+    """Preallocated depth K/V buffers ``[n_slots, B, Hk, T, hd]``, each slot written once, read as views.
 
     Memory is O(L) slots: the buffers hold each slot once, and reads are strided prefix (or window) views
     handed to the attention (the Triton kernel reads them in place). With autograd on, two gradient buffers
@@ -188,7 +200,10 @@ class DepthStore:
     once: O(L) ops per step, not one per (slot, read). They use the slot dtype, not fp32: autograd summed these
     gradients in that dtype before (so no precision is lost; the kernel even adds its fp32 values with one
     rounding per read), and bf16 halves their memory and every read's add traffic. The slot buffers are
-    allocated on the first write (dtype and shape of that slot); ``allocations`` counts them (2).
+    allocated on the first write (dtype and shape of that slot); ``allocations`` counts them (2). Slot-major:
+    each slot is one contiguous ``[B, Hk, T, hd]`` block, the layout the compiled projections write k, v in, so
+    a write is a plain copy, a slot's summed gradient is handed on as a contiguous tensor, and a read is a
+    ``[B, Hk, T, S, hd]`` view with strides the kernels take as they are.
     """
 
     def __init__(self, n_slots: int):
@@ -204,8 +219,7 @@ class DepthStore:
     @torch.compiler.disable  # aliasing storage is opaque to aot_autograd: run store ops eagerly, graph-break
     def write(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [B, Hk, T, hd] into slot i."""
-        B, H, T, D = k.shape
-        shape = (B, H, T, self.n_slots, D)
+        shape = (self.n_slots, *k.shape)
         if self.k is None:
             self.k, self.v = k.new_empty(shape), v.new_empty(shape)
             self.allocations += 2
@@ -304,7 +318,7 @@ class MoDABlock(nn.Module):
     def __init__(self, cfg: MoDAConfig, layer: int):
         super().__init__()
         c = cfg
-        self.pre, self.impl = c.norm == "pre", c.attn_impl
+        self.pre_norm, self.impl = c.norm == "pre", c.attn_impl
         self.attn = Attention(c.d_model, c.n_heads, c.n_kv_heads, c.qk_norm, c.attn_impl)
         self.mlp = SwiGLU(c.d_model, c.d_ff)
         self.norm1, self.norm2 = RMSNorm(c.d_model), RMSNorm(c.d_model)
@@ -324,41 +338,40 @@ class MoDABlock(nn.Module):
             if i is not None:
                 store.write(i, *kv)
 
-    @torch.compiler.disable  # the store's aliased views and in-place gradient adds are opaque to aot_autograd
-    def _attend(self, store: DepthStore, q, k, v, extra: tuple | None, pending: tuple | None) -> torch.Tensor:
-        """Slot writes, then joint attention over k, v and the slots this block reads: one eager island per
-        block under torch.compile. Every per-block integer (slot indices, read range) is used only in here, so
-        the compiled code around it is the same for all blocks (no recompilation per block). Writing before
-        reading is safe: a block reads only slots written by earlier blocks (``depth_range``)."""
-        self._write(store, k, v, extra, pending)
-        kd, vd, dkv = store.read(*self.reads)
-        return joint_attention(q, k, v, kd, vd, self.impl, dkv)
-
-    def forward(self, x, rope, store: DepthStore, pos=None, cache: tuple | None = None, start: int = 0, pending=None):
-        """x: [B, T, D] -> (x [B, T, D], this block's FFN slot K/V or None). ``pending``: the previous block's
-        FFN slot K/V, written by this block. With ``cache`` = (k_cache, v_cache) [B, Hk, T_max, hd], x holds
-        positions start..start+T-1 and attends over the cached prefix; ``store`` then holds only this chunk's
-        slots."""
-        B, T, D = x.shape
-        h = self.norm1(x) if self.pre else x
+    def pre(self, x: torch.Tensor, rope: Rotary, pos: torch.Tensor | None):
+        """The attention's inputs: x [B, T, D] -> q [B, Hq, T, hd], k, v [B, Hk, T, hd], extra K/V or None."""
+        h = self.norm1(x) if self.pre_norm else x
         q, k, v = self.attn.qkv(h, rope, pos)
+        extra = self.extra_kv(h, rope, pos) if self.extra_kv is not None else None
         # QK-norm's fp32 weight can promote q, k under autocast; q contiguous here, where the compiled code writes
         # it so straight from RoPE, instead of a copy in the attention (k, v are read in their [B, T, H, hd] layout)
-        q, k = q.to(v.dtype).contiguous(), k.to(v.dtype)
-        extra = self.extra_kv(h, rope, pos) if self.extra_kv is not None else None
+        return q.to(v.dtype).contiguous(), k.to(v.dtype), v, extra
+
+    @torch.compiler.disable  # the store's aliased views and in-place gradient adds are opaque to aot_autograd
+    def attend(self, store: DepthStore, q, k, v, extra, pending, cache: tuple | None = None, start: int = 0):
+        """Slot writes (this block's, and the previous block's FFN slot ``pending``), then joint attention over
+        k, v and the slots this block reads -> y [B, Hq, T, hd]: the eager island between compiled regions. Every
+        per-block integer (slot indices, read range) is used only in here, so the compiled code around it is the
+        same for all blocks (no recompilation per block). Writing before reading is safe: a block reads only
+        slots written by earlier blocks (``depth_range``). With ``cache`` = (k_cache, v_cache)
+        [B, Hk, T_max, hd], q holds positions start..start+T-1 and attends over the cached prefix."""
+        self._write(store, k, v, extra, pending)
+        kd, vd, dkv = store.read(*self.reads)
         if cache is None:
-            y = self._attend(store, q, k, v, extra, pending)
-        else:
-            self._write(store, k, v, extra, pending)
-            kd, vd, _ = store.read(*self.reads)
-            kc, vc = cache
-            kc[:, :, start : start + T], vc[:, :, start : start + T] = k, v
-            y = cached_joint_attention(q, kc[:, :, : start + T], vc[:, :, : start + T], kd, vd, start)
+            return joint_attention(q, k, v, kd, vd, self.impl, dkv)
+        kc, vc = cache
+        T = q.shape[2]
+        kc[:, :, start : start + T], vc[:, :, start : start + T] = k, v
+        return cached_joint_attention(q, kc[:, :, : start + T], vc[:, :, : start + T], kd, vd, start)
+
+    def post(self, x: torch.Tensor, y: torch.Tensor, rope: Rotary, pos: torch.Tensor | None):
+        """Output projection, residual and FFN: (x, y [B, Hq, T, hd]) -> (x [B, T, D], FFN slot K/V or None)."""
+        B, T, D = x.shape
         a = self.attn.wo(y.transpose(1, 2).reshape(B, T, D))
-        x = x + a if self.pre else self.norm1(x + a)
-        h = self.norm2(x) if self.pre else x  # the FFN input, projected into this block's FFN slot
+        x = x + a if self.pre_norm else self.norm1(x + a)
+        h = self.norm2(x) if self.pre_norm else x  # the FFN input, projected into this block's FFN slot
         pending = self.ffn_kv(h, rope, pos) if self.ffn_kv is not None else None
-        return (x + self.mlp(h) if self.pre else self.norm2(x + self.mlp(h))), pending
+        return (x + self.mlp(h) if self.pre_norm else self.norm2(x + self.mlp(h))), pending
 
 
 class MoDALM(DenseLM):
@@ -370,27 +383,42 @@ class MoDALM(DenseLM):
         return MoDABlock(self.cfg, layer)
 
     def trunk(self, idx: torch.Tensor, cache: list | None = None, start: int = 0):
-        """idx [B, T] -> (final hidden [B, T, D] before the norm, the DepthStore of this pass)."""
-        x = self.embed(idx)  # [B, T, D]
+        """idx [B, T] -> (final hidden [B, T, D] before the norm, the DepthStore of this pass).
+
+        Between two attentions runs ONE function, ``_between`` (block l's output projection and FFN, then block
+        l+1's Q/K/V), and ``_first`` (embedding, block 0's Q/K/V) before the first: each residual stream x is
+        made and first read in one function, so under ``compile`` its gradient sums inside compiled code."""
         store = DepthStore(self.cfg.n_slots)
         pos = None
         if cache is not None:
             pos = torch.arange(start, start + idx.shape[1], device=idx.device).expand(idx.shape[0], -1)  # [B, T]
+        x, qkv = self._first(idx, pos)
         pending = None
         for i, block in enumerate(self.blocks):
-            x, pending = block(x, self.rope, store, pos, None if cache is None else cache[i], start, pending)
+            y = block.attend(store, *qkv, pending, None if cache is None else cache[i], start)
+            nxt = self.blocks[i + 1] if i + 1 < len(self.blocks) else None
+            x, pending, qkv = self._between(block, nxt, x, y, pos)
         return x, store
+
+    def _first(self, idx: torch.Tensor, pos: torch.Tensor | None):
+        x = self.embed(idx)  # [B, T, D]
+        return x, self.blocks[0].pre(x, self.rope, pos)
+
+    def _between(self, block: MoDABlock, nxt: MoDABlock | None, x, y, pos):
+        """Block output (x, FFN slot K/V), then the next block's attention inputs (None after the last)."""
+        x, pending = block.post(x, y, self.rope, pos)
+        return x, pending, None if nxt is None else nxt.pre(x, self.rope, pos)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         return self.head_loss(self.trunk(idx)[0], targets)
 
     def compile(self, *args, **kwargs) -> None:
-        """torch.compile every block and the head (with the loss), not the whole forward: each block breaks
-        the graph once, at its eager attention island, and dynamo runs a frame whose loop body breaks the graph
-        wholly eagerly (its nested calls each compiled on their own, the head and loss unfused). The loop over
-        blocks stays in Python; the compiled code is shared by all blocks."""
-        for block in self.blocks:
-            block.compile(*args, **kwargs)
+        """torch.compile the code between attentions (``_first``, ``_between``) and the head with the loss, not
+        the whole forward: the attention of every block is an eager island (a graph break), and dynamo runs a
+        frame whose loop body breaks the graph wholly eagerly. The loop over blocks stays in Python; the compiled
+        ``_between`` is shared by all blocks (blocks are arguments, their parameters graph inputs)."""
+        self._first = torch.compile(self._first, *args, **kwargs)
+        self._between = torch.compile(self._between, *args, **kwargs)
         self.head_loss = torch.compile(self.head_loss, *args, **kwargs)
 
     # ---- decoding -----------------------------------------------------------------------------------

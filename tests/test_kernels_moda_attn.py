@@ -116,9 +116,11 @@ def test_strided_slot_buffer_prefix():
     assert got[4][:, :, :, n:].abs().max() == 0  # unused slots get no gradient
 
 
-def test_heads_transposed_layout():
-    """q, k, v as [B, H, T, D] views of [B, T, H, D] tensors (what a fused projection yields): k and v are read
-    in place by the sequence attention, q is made contiguous; outputs and every gradient match the reference."""
+@pytest.mark.parametrize("tiles", [False, True])
+def test_heads_transposed_layout(tiles):
+    """q, k, v as [B, H, T, D] views of [B, T, H, D] tensors (what the projections yield) are read in place, o
+    comes back in q's layout, and dO in that layout or contiguous: outputs and every gradient match the
+    reference, in the slot loop and in the tensor-core tiles."""
     B, Hk, G, T, S, D = 2, 2, 2, 21, 3, 16
     g = torch.Generator().manual_seed(11)
 
@@ -129,12 +131,20 @@ def test_heads_transposed_layout():
     kd, vd = r(B, Hk, T, S, D), r(B, Hk, T, S, D)
     q, k, v = (t.transpose(1, 2) for t in (q_, k_, v_))
     assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
-    o = moda_attn(q, k, v, kd, vd)
-    do = torch.randn(o.shape, generator=g).to(o)
-    got = (o, *torch.autograd.grad(o, (q_, k_, v_, kd, vd), do))
-    o_ref = moda_attn_naive(q, k, v, kd, vd)
-    ref = (o_ref, *torch.autograd.grad(o_ref, (q_, k_, v_, kd, vd), do))
-    check(got, ref)
+    try:
+        K.set_config(K.Config(tile_min_g=1, tile_warps=1) if tiles else None)
+        for do_layout in ("q", "contiguous"):
+            o = moda_attn(q, k, v, kd, vd)
+            assert o.stride() == q.stride()
+            do = torch.randn(o.shape, generator=g).to(o)
+            if do_layout == "q":
+                do = do.transpose(1, 2).contiguous().transpose(1, 2)
+            got = (o, *torch.autograd.grad(o, (q_, k_, v_, kd, vd), do))
+            o_ref = moda_attn_naive(q, k, v, kd, vd)
+            ref = (o_ref, *torch.autograd.grad(o_ref, (q_, k_, v_, kd, vd), do))
+            check(got, ref)
+    finally:
+        K.set_config(None)
 
 
 def test_none_depth_is_plain_causal():

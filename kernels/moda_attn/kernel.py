@@ -1,7 +1,8 @@
 """Triton depth kernels of MoDA attention, merged with a sequence attention through the log-sum-exp.
 
 Layout (see op.py for the public contract):
-    q, o, do, dq  [B, Hq, T, D]   contiguous
+    q, o, do, dq  [B, Hq, T, D]   one shared layout with a unit last stride (contiguous, or [B, T, Hq, D]
+                                  memory: the projections' layout, so no transposing copies around them)
     lse           [B, Hq, T] fp32 contiguous, natural-log units of the scaled logits
     kd, vd        [B, Hk, T, S, D] any strides with a unit last stride (e.g. a prefix view of a slot buffer)
     dkd, dvd      [B, Hk, T, S, D] any strides with a unit last stride: fresh contiguous tensors, or the
@@ -47,8 +48,9 @@ _LOG2E = tl.constexpr(LOG2E)  # the kernels' copy: Triton reads only constexpr g
 
 
 @triton.jit
-def _tile(T, Hk, BT: tl.constexpr, G: tl.constexpr, GP: tl.constexpr):
-    """This program's positions t [BT], row offsets of (position, head) pairs [BT, GP] into [B, Hq, T]."""
+def _tile(T, Hk, sqb, sqh, sqt, BT: tl.constexpr, G: tl.constexpr, GP: tl.constexpr):
+    """This program's positions t [BT]; for its (position, head) pairs [BT, GP]: row offsets into [B, Hq, T]
+    (lse) and element offsets of the head vectors into q, o, do, dq (query layout strides sqb, sqh, sqt)."""
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // Hk).to(tl.int64)
@@ -56,8 +58,10 @@ def _tile(T, Hk, BT: tl.constexpr, G: tl.constexpr, GP: tl.constexpr):
     t = pid_t * BT + tl.arange(0, BT)
     g = tl.arange(0, GP)
     valid = (t < T)[:, None] & (g < G)[None, :]
-    rows = ((b * Hk + hk) * G + g)[None, :] * T + t[:, None]
-    return b, hk, t, rows, valid
+    h = (hk * G + g)[None, :]
+    rows = (b * Hk * G + h) * T + t[:, None]
+    qoff = b * sqb + h * sqh + t.to(tl.int64)[:, None] * sqt
+    return b, hk, t, rows, qoff, valid
 
 
 @triton.jit
@@ -67,6 +71,9 @@ def _depth_fwd(
     VD,
     O,
     LSE,
+    sqb,
+    sqh,
+    sqt,
     skb,
     skh,
     skt,
@@ -84,9 +91,9 @@ def _depth_fwd(
     D: tl.constexpr,
     BT: tl.constexpr,
 ):
-    b, hk, t, rows, valid = _tile(T, Hk, BT, G, GP)
+    b, hk, t, rows, qoff, valid = _tile(T, Hk, sqb, sqh, sqt, BT, G, GP)
     d = tl.arange(0, D)
-    ptr = rows[:, :, None] * D + d[None, None, :]  # [BT, GP, D]
+    ptr = qoff[:, :, None] + d[None, None, :]  # [BT, GP, D]
     q = tl.load(Q + ptr, mask=valid[:, :, None], other=0.0).to(tl.float32)
     acc = tl.load(O + ptr, mask=valid[:, :, None], other=0.0).to(tl.float32)  # the sequence output
     m = tl.load(LSE + rows, mask=valid, other=0.0) * _LOG2E  # its lse: the state after the sequence keys
@@ -119,6 +126,9 @@ def _depth_bwd(
     VD,
     DKD,
     DVD,
+    sqb,
+    sqh,
+    sqt,
     skb,
     skh,
     skt,
@@ -146,9 +156,9 @@ def _depth_bwd(
     BT: tl.constexpr,
     ACC: tl.constexpr,
 ):
-    b, hk, t, rows, valid = _tile(T, Hk, BT, G, GP)
+    b, hk, t, rows, qoff, valid = _tile(T, Hk, sqb, sqh, sqt, BT, G, GP)
     d = tl.arange(0, D)
-    ptr = rows[:, :, None] * D + d[None, None, :]  # [BT, GP, D]
+    ptr = qoff[:, :, None] + d[None, None, :]  # [BT, GP, D]
     vmask = valid[:, :, None]
     q = tl.load(Q + ptr, mask=vmask, other=0.0).to(tl.float32)
     do = tl.load(DO + ptr, mask=vmask, other=0.0).to(tl.float32)
@@ -180,9 +190,12 @@ def _depth_bwd(
 
 
 @triton.jit
-def _tile_rows(T, Hk, G: tl.constexpr, S: tl.constexpr, BT: tl.constexpr, M: tl.constexpr, N: tl.constexpr):
+def _tile_rows(
+    T, Hk, sqb, sqh, sqt, G: tl.constexpr, S: tl.constexpr, BT: tl.constexpr, M: tl.constexpr, N: tl.constexpr
+):
     """Tensor-core tiles: rows = (position, head) pairs r = t_local * G + g [M], columns = (position, slot)
-    pairs c = t_local * S + j [N]; a row meets only its own position's columns."""
+    pairs c = t_local * S + j [N]; a row meets only its own position's columns. Returns the rows' offsets into
+    [B, Hq, T] (lse) and into q, o, do, dq (query layout strides sqb, sqh, sqt)."""
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // Hk).to(tl.int64)
@@ -190,11 +203,13 @@ def _tile_rows(T, Hk, G: tl.constexpr, S: tl.constexpr, BT: tl.constexpr, M: tl.
     t0 = pid_t * BT
     r = tl.arange(0, M)
     rvalid = (r // G < BT) & (t0 + r // G < T)
-    rows = ((b * Hk + hk) * G + r % G) * T + t0 + r // G  # [M] into [B, Hq, T]
+    h = hk * G + r % G
+    rows = (b * Hk * G + h) * T + t0 + r // G  # [M] into [B, Hq, T]
+    qoff = b * sqb + h * sqh + (t0 + r // G).to(tl.int64) * sqt
     c = tl.arange(0, N)
     cvalid = (c // S < BT) & (t0 + c // S < T)
     own = (r // G)[:, None] == (c // S)[None, :]
-    return b, hk, (t0 + c // S).to(tl.int64), c % S, rows, rvalid, cvalid, own
+    return b, hk, (t0 + c // S).to(tl.int64), c % S, rows, qoff, rvalid, cvalid, own
 
 
 @triton.jit
@@ -204,6 +219,9 @@ def _depth_fwd_tile(
     VD,
     O,
     LSE,
+    sqb,
+    sqh,
+    sqt,
     skb,
     skh,
     skt,
@@ -223,9 +241,9 @@ def _depth_fwd_tile(
     N: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    b, hk, cpos, cs, rows, rvalid, cvalid, own = _tile_rows(T, Hk, G, S, BT, M, N)
+    b, hk, cpos, cs, rows, qoff, rvalid, cvalid, own = _tile_rows(T, Hk, sqb, sqh, sqt, G, S, BT, M, N)
     d = tl.arange(0, D)
-    ptr = rows[:, None] * D + d[None, :]  # [M, D]
+    ptr = qoff[:, None] + d[None, :]  # [M, D]
     q = tl.load(Q + ptr, mask=rvalid[:, None], other=0.0)
     kd = tl.load(
         KD + (b * skb + hk * skh + cpos * skt + cs * sks)[:, None] + d[None, :], mask=cvalid[:, None], other=0.0
@@ -257,6 +275,9 @@ def _depth_bwd_tile(
     VD,
     DKD,
     DVD,
+    sqb,
+    sqh,
+    sqt,
     skb,
     skh,
     skt,
@@ -286,9 +307,9 @@ def _depth_bwd_tile(
     ACC: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    b, hk, cpos, cs, rows, rvalid, cvalid, own = _tile_rows(T, Hk, G, S, BT, M, N)
+    b, hk, cpos, cs, rows, qoff, rvalid, cvalid, own = _tile_rows(T, Hk, sqb, sqh, sqt, G, S, BT, M, N)
     d = tl.arange(0, D)
-    ptr = rows[:, None] * D + d[None, :]  # [M, D]
+    ptr = qoff[:, None] + d[None, :]  # [M, D]
     q = tl.load(Q + ptr, mask=rvalid[:, None], other=0.0)
     do = tl.load(DO + ptr, mask=rvalid[:, None], other=0.0)
     delta = tl.sum(do.to(tl.float32) * tl.load(O + ptr, mask=rvalid[:, None], other=0.0).to(tl.float32), 1)
@@ -406,8 +427,9 @@ def _launch(q, kd, cfg: Config):
 def depth_fwd(q, kd, vd, o, lse, scale: float, cfg: Config) -> None:
     """Merge the depth slots into the sequence result, in place: o [B,Hq,T,D], lse [B,Hq,T] become joint."""
     T, Hk, S = q.shape[2], kd.shape[1], kd.shape[3]
+    assert o.stride() == q.stride(), "q and o must share one layout"
     tile, grid, meta = _launch(q, kd, cfg)
-    args = (q, kd, vd, o, lse, *kd.stride()[:4], *vd.stride()[:4], T, Hk)
+    args = (q, kd, vd, o, lse, *q.stride()[:3], *kd.stride()[:4], *vd.stride()[:4], T, Hk)
     if tile:
         LAST_COMPILED["_depth_fwd"] = _depth_fwd_tile[grid](*args, scale * LOG2E, **meta)
     else:
@@ -418,6 +440,7 @@ def depth_bwd(q, o, do, lse, dq, kd, vd, scale: float, cfg: Config, dkd_acc=None
     """Add the depth part of dq into dq [B,Hq,T,D] in place; return dkd, dvd (or add them into the
     ``*_acc`` buffers, shaped like kd, vd, unit last stride, kd's dtype or fp32, and return None, None)."""
     T, Hk, S = q.shape[2], kd.shape[1], kd.shape[3]
+    assert o.stride() == do.stride() == dq.stride() == q.stride(), "q, o, do and dq must share one layout"
     acc = dkd_acc is not None
     dkd, dvd = (
         (dkd_acc, dvd_acc) if acc else (_empty(kd.shape, kd.dtype, q.device), _empty(vd.shape, vd.dtype, q.device))
@@ -433,6 +456,7 @@ def depth_bwd(q, o, do, lse, dq, kd, vd, scale: float, cfg: Config, dkd_acc=None
         vd,
         dkd,
         dvd,
+        *q.stride()[:3],
         *kd.stride()[:4],
         *vd.stride()[:4],
         *dkd.stride()[:4],

@@ -20,6 +20,7 @@ class _MoDAAttn(torch.autograd.Function):
     def forward(ctx, q, k, v, kd, vd, scale, dkd_acc):
         backend = _seq.backend_for(q)
         o, lse, aux = _seq.seq_fwd(q, k, v, scale, backend)
+        o = _like(o, q)  # the kernels take q, o, do, dq in one layout
         cfg = _k.get_config(q.device, q.shape[-1], q.shape[1] // k.shape[1])
         if kd is not None and kd.shape[3] > 0:
             _k.depth_fwd(q, kd, vd, o, lse, scale, cfg)  # o, lse become the joint ones
@@ -31,7 +32,7 @@ class _MoDAAttn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, kd, vd, o, lse = ctx.saved_tensors
-        do = do.contiguous()
+        do = _like(do, o)  # fused attention backwards want dO in O's layout; it is q's (forward)
         dq, dk, dv = _seq.seq_bwd(do, q, k, v, o, lse, ctx.aux, ctx.scale, ctx.backend)
         dkd = dvd = None
         acc = ctx.acc
@@ -39,7 +40,7 @@ class _MoDAAttn(torch.autograd.Function):
             acc = acc()
             _check_acc(acc, kd, vd)
         if kd is not None and kd.shape[3] > 0:
-            dq = dq.contiguous()
+            dq = _like(dq, q)
             dkd, dvd = _k.depth_bwd(q, o, do, lse, dq, kd, vd, ctx.scale, ctx.cfg, *(acc or (None, None)))
         elif kd is not None and acc is None:  # S = 0 slots: empty gradients
             dkd, dvd = torch.zeros_like(kd), torch.zeros_like(vd)
@@ -52,6 +53,21 @@ def _check_acc(acc, kd: torch.Tensor, vd: torch.Tensor) -> None:
             raise ValueError(f"depth_grad_acc {name}: {t.dtype} {tuple(t.shape)} on {t.device} does not match kd")
         if t.stride(-1) != 1:
             raise ValueError(f"depth_grad_acc {name} needs a unit last stride, got strides {t.stride()}")
+
+
+def _like(t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """t in ref's layout (same shape): t itself when the strides match, else a copy."""
+    return (
+        t
+        if t.stride() == ref.stride()
+        else torch.empty_strided(ref.shape, ref.stride(), dtype=t.dtype, device=t.device).copy_(t)
+    )
+
+
+def _query_layout(q: torch.Tensor) -> torch.Tensor:
+    """q as it is when contiguous [B, Hq, T, D] or a transposed view of contiguous [B, T, Hq, D] memory (the
+    projections' layout: output and dO then need no transposing copy), else contiguous."""
+    return q if q.is_contiguous() or q.transpose(1, 2).is_contiguous() else q.contiguous()
 
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
@@ -74,6 +90,8 @@ def moda_attn(
 
     Args:
         q: queries ``[B, Hq, T, D]``; ``D`` a power of two in [16, 256] (64 and 128 are the tuned ones).
+            Contiguous, or a transposed view of contiguous ``[B, T, Hq, D]`` memory (the projections' layout),
+            used in place; ``o`` comes back in q's layout (any other q is copied contiguous first).
         k: sequence keys of this layer ``[B, Hk, T, D]``; ``Hq = G * Hk`` for any integer ``G >= 1``,
             query head ``h`` reads KV head ``h // G``.
         v: sequence values ``[B, Hk, T, D]``.
@@ -91,7 +109,7 @@ def moda_attn(
             and kd, vd get no gradient here.
 
     Returns:
-        ``o`` ``[B, Hq, T, D]`` in the input dtype (fp16, bf16 or fp32; all inputs share it).
+        ``o`` ``[B, Hq, T, D]`` in q's layout and the input dtype (fp16, bf16 or fp32; all inputs share it).
         Differentiable w.r.t. q, k, v, kd, vd.
 
     The sequence part runs on torch's fused causal attention (cuDNN for fp16/bf16 on CUDA; see seq.py), the
@@ -138,7 +156,7 @@ def moda_attn(
     if not scale > 0 or not math.isfinite(scale):
         raise ValueError(f"scale must be positive and finite, got {scale}")
 
-    q, k, v = q.contiguous(), _unit_last(k), _unit_last(v)  # only the depth kernels need q contiguous
+    q, k, v = _query_layout(q), _unit_last(k), _unit_last(v)
     if kd is not None:
         kd, vd = _unit_last(kd), _unit_last(vd)
     if T == 0 or B == 0:

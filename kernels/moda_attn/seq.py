@@ -55,8 +55,8 @@ def _reduce(g: torch.Tensor, G: int) -> torch.Tensor:
 
 
 def seq_fwd(q, k, v, scale: float, backend: str):
-    """q [B, Hq, T, D] contiguous, k/v [B, Hk, T, D] with a unit last stride (e.g. views of [B, T, Hk, D])
-    -> (o [B, Hq, T, D] contiguous, lse [B, Hq, T] fp32 contiguous, aux)."""
+    """q [B, Hq, T, D], k/v [B, Hk, T, D] with a unit last stride (e.g. views of [B, T, H, D])
+    -> (o [B, Hq, T, D] in the backend's layout, lse [B, Hq, T] fp32 contiguous, aux)."""
     B, Hq, T, _ = q.shape
     G = Hq // k.shape[1]
     if backend == "cudnn":
@@ -78,7 +78,7 @@ def seq_fwd(q, k, v, scale: float, backend: str):
         aux = ()
     else:
         raise ValueError(f"unknown sequence backend {backend!r}")
-    return o.contiguous(), lse.reshape(B, Hq, T).contiguous(), aux
+    return o, lse.reshape(B, Hq, T).contiguous(), aux
 
 
 def seq_bwd(do, q, k, v, o, lse, aux, scale: float, backend: str):

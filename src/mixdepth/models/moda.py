@@ -309,7 +309,8 @@ class DepthKV(nn.Module):
         k, v = self.wkv(x).view(B, T, 2, self.n_kv_heads, self.head_dim).transpose(1, 3).unbind(2)
         if self.k_norm is not None:
             k = self.k_norm(k)
-        return rope(k, pos).to(v.dtype), v  # the norm's fp32 weight can promote k under autocast
+        # the norm's fp32 weight can promote k under autocast; contiguous [B, Hk, T, hd] = the slot layout
+        return rope(k, pos).to(v.dtype).contiguous(), v.contiguous()
 
 
 class MoDABlock(nn.Module):
@@ -343,9 +344,13 @@ class MoDABlock(nn.Module):
         h = self.norm1(x) if self.pre_norm else x
         q, k, v = self.attn.qkv(h, rope, pos)
         extra = self.extra_kv(h, rope, pos) if self.extra_kv is not None else None
-        # QK-norm's fp32 weight can promote q, k under autocast; q contiguous here, where the compiled code writes
-        # it so straight from RoPE, instead of a copy in the attention (k, v are read in their [B, T, H, hd] layout)
-        return q.to(v.dtype).contiguous(), k.to(v.dtype), v, extra
+        # QK-norm's fp32 weight can promote q, k under autocast. q in [B, T, Hq, hd] memory, the projections'
+        # layout: the attention's output (in q's layout) then feeds wo and its gradient comes back without a
+        # transposing copy. k, v contiguous [B, Hk, T, hd], the slot layout: the compiled code writes them so
+        # (fused with RoPE, or one copy of v), each slot write is then a plain copy, and their gradients meet
+        # the slots' in one layout.
+        q = q.to(v.dtype).transpose(1, 2).contiguous().transpose(1, 2)
+        return q, k.to(v.dtype).contiguous(), v.contiguous(), extra
 
     @torch.compiler.disable  # the store's aliased views and in-place gradient adds are opaque to aot_autograd
     def attend(self, store: DepthStore, q, k, v, extra, pending, cache: tuple | None = None, start: int = 0):

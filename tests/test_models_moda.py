@@ -127,6 +127,19 @@ def test_joint_softmax_and_slot_counts(monkeypatch, kw, counts):
     assert not torch.allclose(c["out"], seq + dep, atol=1e-3)
 
 
+def test_attention_inputs_in_their_layouts(monkeypatch):
+    """q reaches the attention as a view of contiguous [B, T, Hq, hd] memory (the projections' layout; its
+    output comes back in it), k and v contiguous [B, Hk, T, hd] (the slot layout: slot writes are plain copies),
+    and the slots as views of the slot-major buffers."""
+    model = make(depth_kv="attn+ffn")
+    calls = record_attention(monkeypatch)
+    _, store = model.trunk(torch.randint(0, 64, (2, 16)))
+    for c in calls:
+        assert c["q"].transpose(1, 2).is_contiguous() and not c["q"].is_contiguous()
+        assert c["k"].is_contiguous() and c["v"].is_contiguous()
+    assert all(t.is_contiguous() for t in store.src_k + store.src_v if t is not None)
+
+
 def test_depth_buffer_is_written_once_and_read_in_place(monkeypatch):
     """No per-layer re-concatenation: one K and one V buffer per pass, every read a view of them.
 

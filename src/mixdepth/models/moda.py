@@ -340,17 +340,16 @@ class MoDABlock(nn.Module):
                 store.write(i, *kv)
 
     def pre(self, x: torch.Tensor, rope: Rotary, pos: torch.Tensor | None):
-        """The attention's inputs: x [B, T, D] -> q [B, Hq, T, hd], k, v [B, Hk, T, hd], extra K/V or None."""
+        """The attention's inputs: x [B, T, D] -> q [B, T, Hq, hd], k, v [B, Hk, T, hd], extra K/V or None."""
         h = self.norm1(x) if self.pre_norm else x
         q, k, v = self.attn.qkv(h, rope, pos)
         extra = self.extra_kv(h, rope, pos) if self.extra_kv is not None else None
-        # QK-norm's fp32 weight can promote q, k under autocast. q in [B, T, Hq, hd] memory, the projections'
-        # layout: the attention's output (in q's layout) then feeds wo and its gradient comes back without a
-        # transposing copy. k, v contiguous [B, Hk, T, hd], the slot layout: the compiled code writes them so
-        # (fused with RoPE, or one copy of v), each slot write is then a plain copy, and their gradients meet
-        # the slots' in one layout.
-        q = q.to(v.dtype).transpose(1, 2).contiguous().transpose(1, 2)
-        return q, k.to(v.dtype).contiguous(), v.contiguous(), extra
+        # QK-norm's fp32 weight can promote q, k under autocast. q as contiguous [B, T, Hq, hd], the projections'
+        # layout (a contiguous output: compiled code takes its gradient as it comes): the attention's output, in
+        # q's layout, then feeds wo and its gradient comes back without transposing copies. k, v contiguous
+        # [B, Hk, T, hd], the slot layout: the compiled code writes them so (fused with RoPE, or one copy of v),
+        # each slot write is then a plain copy, and their gradients meet the slots' in one layout.
+        return q.to(v.dtype).transpose(1, 2).contiguous(), k.to(v.dtype).contiguous(), v.contiguous(), extra
 
     @torch.compiler.disable  # the store's aliased views and in-place gradient adds are opaque to aot_autograd
     def attend(self, store: DepthStore, q, k, v, extra, pending, cache: tuple | None = None, start: int = 0):
@@ -358,8 +357,9 @@ class MoDABlock(nn.Module):
         k, v and the slots this block reads -> y [B, Hq, T, hd]: the eager island between compiled regions. Every
         per-block integer (slot indices, read range) is used only in here, so the compiled code around it is the
         same for all blocks (no recompilation per block). Writing before reading is safe: a block reads only
-        slots written by earlier blocks (``depth_range``). With ``cache`` = (k_cache, v_cache)
+        slots written by earlier blocks (``depth_range``). q: [B, T, Hq, hd]. With ``cache`` = (k_cache, v_cache)
         [B, Hk, T_max, hd], q holds positions start..start+T-1 and attends over the cached prefix."""
+        q = q.transpose(1, 2)  # [B, Hq, T, hd] view
         self._write(store, k, v, extra, pending)
         kd, vd, dkv = store.read(*self.reads)
         if cache is None:

@@ -375,7 +375,8 @@ def test_depth_kernels_compile_for_hopper():
 
 def test_depth_grad_acc_as_a_function_called_in_backward():
     """A function for depth_grad_acc is called only by the backward (the buffers need not exist before), its
-    buffers get the same sums as passing them directly, and a wrong result is an error there."""
+    buffers get the same sums as passing them directly, with add=False they are overwritten, and a wrong
+    result is an error there."""
     B, Hk, G, T, S, D = 1, 2, 2, 9, 3, 16
     q, k, v, kd, vd = make(B, Hk, G, T, S, D, seed=16)
     calls, made = [], []
@@ -394,6 +395,11 @@ def test_depth_grad_acc_as_a_function_called_in_backward():
     o_ref = moda_attn_naive(q, k, v, kd, vd)
     ref = torch.autograd.grad(o_ref, (q, kd, vd), do)
     for got, want in zip((q.grad, *made), ref, strict=True):
+        assert rel_err(got, want)[0] < 1e-5
+    garbage = (torch.full_like(kd, float("nan")), torch.full_like(vd, float("nan")))
+    o = moda_attn(q, k, v, kd, vd, depth_grad_acc=lambda: (*garbage, False))  # add=False: overwrite
+    o.backward(do)
+    for got, want in zip(garbage, ref[1:], strict=True):
         assert rel_err(got, want)[0] < 1e-5
     bad = moda_attn(q, k, v, kd, vd, depth_grad_acc=lambda: (torch.zeros_like(kd)[:, :, :, :1], torch.zeros_like(vd)))
     with pytest.raises(ValueError, match="depth_grad_acc"):

@@ -436,9 +436,10 @@ def depth_fwd(q, kd, vd, o, lse, scale: float, cfg: Config) -> None:
         LAST_COMPILED["_depth_fwd"] = _depth_fwd[grid](*args, S, scale * LOG2E, **meta)
 
 
-def depth_bwd(q, o, do, lse, dq, kd, vd, scale: float, cfg: Config, dkd_acc=None, dvd_acc=None):
+def depth_bwd(q, o, do, lse, dq, kd, vd, scale: float, cfg: Config, dkd_acc=None, dvd_acc=None, add: bool = True):
     """Add the depth part of dq into dq [B,Hq,T,D] in place; return dkd, dvd (or add them into the
-    ``*_acc`` buffers, shaped like kd, vd, unit last stride, kd's dtype or fp32, and return None, None)."""
+    ``*_acc`` buffers, shaped like kd, vd, unit last stride, kd's dtype or fp32, and return None, None;
+    ``add=False``: write them there, overwriting)."""
     T, Hk, S = q.shape[2], kd.shape[1], kd.shape[3]
     assert o.stride() == do.stride() == dq.stride() == q.stride(), "q, o, do and dq must share one layout"
     acc = dkd_acc is not None
@@ -463,7 +464,7 @@ def depth_bwd(q, o, do, lse, dq, kd, vd, scale: float, cfg: Config, dkd_acc=None
         *dvd.stride()[:4],
     )
     if tile:
-        LAST_COMPILED["_depth_bwd"] = _depth_bwd_tile[grid](*args, T, Hk, scale * LOG2E, scale, ACC=acc, **meta)
+        LAST_COMPILED["_depth_bwd"] = _depth_bwd_tile[grid](*args, T, Hk, scale * LOG2E, scale, ACC=acc and add, **meta)
     else:
-        LAST_COMPILED["_depth_bwd"] = _depth_bwd[grid](*args, T, Hk, S, scale * LOG2E, scale, ACC=acc, **meta)
+        LAST_COMPILED["_depth_bwd"] = _depth_bwd[grid](*args, T, Hk, S, scale * LOG2E, scale, ACC=acc and add, **meta)
     return (None, None) if acc else (dkd, dvd)

@@ -35,13 +35,14 @@ class _MoDAAttn(torch.autograd.Function):
         do = _like(do, o)  # fused attention backwards want dO in O's layout; it is q's (forward)
         dq, dk, dv = _seq.seq_bwd(do, q, k, v, o, lse, ctx.aux, ctx.scale, ctx.backend)
         dkd = dvd = None
-        acc = ctx.acc
+        acc, add = ctx.acc, True
         if callable(acc):  # the buffers, requested now that the backward needs them
             acc = acc()
+            acc, add = (acc[:2], acc[2]) if len(acc) == 3 else (acc, True)
             _check_acc(acc, kd, vd)
         if kd is not None and kd.shape[3] > 0:
             dq = _like(dq, q)
-            dkd, dvd = _k.depth_bwd(q, o, do, lse, dq, kd, vd, ctx.scale, ctx.cfg, *(acc or (None, None)))
+            dkd, dvd = _k.depth_bwd(q, o, do, lse, dq, kd, vd, ctx.scale, ctx.cfg, *(acc or (None, None)), add=add)
         elif kd is not None and acc is None:  # S = 0 slots: empty gradients
             dkd, dvd = torch.zeros_like(kd), torch.zeros_like(vd)
         return dq, dk, dv, dkd, dvd, None, None
@@ -106,7 +107,9 @@ def moda_attn(
             not overlapping any input), e.g. the matching views of a slot-gradient buffer, or a function
             returning them, called (and its result checked) in the backward pass, so that the buffers need
             not exist before. The backward ADDS dL/dkd, dL/dvd into them in place (fp32 sum, one rounding),
-            and kd, vd get no gradient here.
+            and kd, vd get no gradient here. The function may return ``(gkd, gvd, add)``: with ``add=False``
+            the buffers' contents are garbage and get overwritten instead (the first of several sums: no
+            zero-filling, no read).
 
     Returns:
         ``o`` ``[B, Hq, T, D]`` in q's layout and the input dtype (fp16, bf16 or fp32; all inputs share it).

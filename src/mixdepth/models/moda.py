@@ -19,6 +19,7 @@ Design choices (see the docstrings below for the why):
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -119,27 +120,46 @@ def _alias(buf: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
 
 class SlotGrads:
     """The slot-gradient buffers dL/dk, dL/dv ``[n_slots, B, Hk, T, hd]`` (slot dtype), summed over each
-    slot's reads. Allocated (zeroed) on the first request, which comes in the backward pass, after the head's
-    logits and their gradient are freed: the buffers never add to the forward-time peak."""
+    slot's reads. Allocated on the first request, which comes in the backward pass, after the head's logits
+    and their gradient are freed: the buffers never add to the forward-time peak. Not zero-filled: a read's
+    backward whose slots all lack a sum so far overwrites them (without a depth window the first request, the
+    last layer's, covers every slot: no fill, no read of zeros); otherwise the slots new to it are zeroed and
+    it adds."""
 
     def __init__(self, like_k: torch.Tensor, like_v: torch.Tensor, shape: tuple[int, ...]):
         self.shape, self.like = shape, (like_k, like_v)  # like_*: 0-element tensors (dtype, device)
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
+        self.summed = [False] * shape[0]  # per slot: holds a sum (else garbage)
 
-    def views(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slots [lo, hi) of both buffers, ``[B, Hk, T, hi-lo, hd]`` each."""
+    def request(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """Slots [lo, hi) of both buffers, ``[B, Hk, T, hi-lo, hd]`` each, for one read's gradient, and whether
+        to add it (False: overwrite, no slot of the range holds a sum yet)."""
         self._alloc()
-        return _slots(self.k, lo, hi), _slots(self.v, lo, hi)
+        new = [i for i in range(lo, hi) if not self.summed[i]]
+        add = len(new) < hi - lo
+        for i in new:
+            if add:
+                self.k[i].zero_()
+                self.v[i].zero_()
+            self.summed[i] = True
+        return _slots(self.k, lo, hi), _slots(self.v, lo, hi), add
 
     def slot(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slot i of both buffers, contiguous ``[B, Hk, T, hd]`` each."""
+        """Slot i's summed gradients, contiguous ``[B, Hk, T, hd]`` each (zeros if no read's backward ran)."""
         self._alloc()
+        if not self.summed[i]:
+            self.k[i].zero_()
+            self.v[i].zero_()
+            self.summed[i] = True
         return self.k[i], self.v[i]
 
     def _alloc(self) -> None:
         if self.k is None:
-            self.k, self.v = (t.new_zeros(self.shape) for t in self.like)
+            self.k, self.v = (t.new_empty(self.shape) for t in self.like)
+            if os.environ.get("MIXDEPTH_POISON_EMPTY", "0") == "1":  # tests: unsummed garbage shows up as NaN
+                self.k.fill_(float("nan"))
+                self.v.fill_(float("nan"))
 
 
 class _SlotWrite(torch.autograd.Function):
@@ -170,9 +190,9 @@ class _SlotWrite(torch.autograd.Function):
 
 
 class _SlotRead(torch.autograd.Function):
-    """A zero-copy read of slots [lo, hi). Backward adds its gradient for all hi-lo slots into the gradient
-    buffers in one op per buffer (nothing when the kernel already did, in place: it then passes None) and
-    returns nothing per slot: each slot's write hands the sum on."""
+    """A zero-copy read of slots [lo, hi). Backward adds (or writes, see ``SlotGrads``) its gradient for all
+    hi-lo slots into the gradient buffers in one op per buffer (nothing when the kernel already did, in place:
+    it then passes None) and returns nothing per slot: each slot's write hands the sum on."""
 
     @staticmethod
     def forward(ctx, store, lo, hi, *tokens):
@@ -184,9 +204,15 @@ class _SlotRead(torch.autograd.Function):
     def backward(ctx, gkd, gvd):
         grads, lo, hi = ctx.grad
         if gkd is not None or gvd is not None:
-            for buf, g in zip(grads.views(lo, hi), (gkd, gvd), strict=True):
-                if g is not None:
+            *bufs, add = grads.request(lo, hi)
+            for buf, g in zip(bufs, (gkd, gvd), strict=True):
+                if g is None:
+                    if not add:
+                        buf.zero_()
+                elif add:
                     buf.add_(g)
+                else:
+                    buf.copy_(g)
         return (None,) * len(ctx.needs_input_grad)
 
 
@@ -196,9 +222,9 @@ class DepthStore:
     Memory is O(L) slots: the buffers hold each slot once, and reads are strided prefix (or window) views
     handed to the attention (the Triton kernel reads them in place). With autograd on, two gradient buffers
     of the same shape (``SlotGrads``, allocated in the backward pass) collect every read's depth gradient
-    (one add per buffer and read, or none: the kernel adds in place), and each slot's write hands its sum on
-    once: O(L) ops per step, not one per (slot, read). They use the slot dtype, not fp32: autograd summed these
-    gradients in that dtype before (so no precision is lost; the kernel even adds its fp32 values with one
+    (one add or write per buffer and read, or none: the kernel does it in place), and each slot's write hands
+    its sum on once: O(L) ops per step, not one per (slot, read). They use the slot dtype, not fp32: autograd
+    summed these gradients in that dtype before (so no precision is lost; the kernel even adds its fp32 values with one
     rounding per read), and bf16 halves their memory and every read's add traffic. The slot buffers are
     allocated on the first write (dtype and shape of that slot); ``allocations`` counts them (2). Slot-major:
     each slot is one contiguous ``[B, Hk, T, hd]`` block, the layout the compiled projections write k, v in, so
@@ -231,13 +257,13 @@ class DepthStore:
     @torch.compiler.disable
     def read(self, lo: int, hi: int):
         """Slots [lo, hi) as ``[B, Hk, T, hi-lo, hd]`` views kd, vd of the buffers, and a function returning
-        the matching views (gk, gv) of the gradient buffers (None without autograd; call it in the backward
-        pass), into which an attention may add kd's and vd's gradients itself instead of returning them;
-        (None, None, None) when empty."""
+        the matching views (gk, gv) of the gradient buffers and whether to add (``SlotGrads.request``; None
+        without autograd; call it in the backward pass), into which an attention may add (or write) kd's and
+        vd's gradients itself instead of returning them; (None, None, None) when empty."""
         if hi <= lo:
             return None, None, None
         assert all(t is not None for t in self.tokens[lo:hi]), "reading an unwritten depth slot"
-        grad = None if self.grad is None else partial(self.grad.views, lo, hi)
+        grad = None if self.grad is None else partial(self.grad.request, lo, hi)
         return *_SlotRead.apply(self, lo, hi, *self.tokens[lo:hi]), grad
 
 
@@ -253,9 +279,10 @@ def joint_attention(q, k, v, kd, vd, impl: str, depth_grad: Callable[[], tuple] 
     q: [B, Hq, T, hd]; k, v: [B, Hk, T, hd]; kd, vd: [B, Hk, T, S, hd] or None -> [B, Hq, T, hd].
     On CUDA (head dims it supports) the ``moda_attn`` op (torch's fused causal attention merged with the
     Triton depth kernels), the fp32 reference otherwise (CPU, FLOP counting); without slots (layer 0) SDPA's
-    fused causal kernels unless ``impl='naive'``. ``depth_grad``: a function returning (gk, gv) shaped like
-    kd, vd, into which the kernel's backward adds kd's and vd's gradients in place (they then flow back as
-    None); the other paths ignore it and return those gradients through autograd.
+    fused causal kernels unless ``impl='naive'``. ``depth_grad``: a function returning (gk, gv, add), gk and gv
+    shaped like kd, vd, into which the kernel's backward adds (or with add False writes) kd's and vd's
+    gradients in place (they then flow back as None); the other paths ignore it and return those gradients
+    through autograd.
     """
     # imported here, not at module import: Triton fixes interpret mode when kernel.py is imported, and
     # importing mixdepth.models must not do that before a CPU test sets TRITON_INTERPRET=1

@@ -413,9 +413,9 @@ def test_registry():
 
 @pytest.mark.parametrize("depth_kv", ["attn", "attn+ffn+extra"])
 def test_compiled_graphs_do_not_grow_with_depth(depth_kv):
-    """Under ``model.compile()`` (what training calls) every block breaks the graph once (its eager
-    depth-attention island) and the compiled code around it is shared by all blocks: the number of distinct
-    graphs does not grow with the number of layers (per-block recompiles would hit dynamo's recompile limit and
+    """Under ``model.compile()`` (what training calls) the attentions run eagerly and the compiled code between
+    them (``_between``) is shared by all blocks: the number of distinct graphs does not grow with the number
+    of layers (per-block recompiles would hit dynamo's recompile limit and
     leave deep blocks eager), and dynamo compiles every frame it tries (a graph break inside the loop over
     blocks would make it run the whole forward eagerly). Dynamo only (backend="eager"), so the check is cheap;
     the compiled loss and gradients equal eager's."""

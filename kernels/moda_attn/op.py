@@ -19,8 +19,7 @@ class _MoDAAttn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, kd, vd, scale, dkd_acc):
         backend = _seq.backend_for(q)
-        o, lse, aux = _seq.seq_fwd(q, k, v, scale, backend)
-        o = _like(o, q)  # the kernels take q, o, do, dq in one layout
+        o, lse, aux = _seq.seq_fwd(q, k, v, scale, backend)  # o in q's layout, as the kernels need
         cfg = _k.get_config(q.device, q.shape[-1], q.shape[1] // k.shape[1])
         if kd is not None and kd.shape[3] > 0:
             _k.depth_fwd(q, kd, vd, o, lse, scale, cfg)  # o, lse become the joint ones
@@ -32,7 +31,7 @@ class _MoDAAttn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, kd, vd, o, lse = ctx.saved_tensors
-        do = _like(do, o)  # fused attention backwards want dO in O's layout; it is q's (forward)
+        do = _seq.like(do, o)  # fused attention backwards want dO in O's layout; it is q's (forward)
         dq, dk, dv = _seq.seq_bwd(do, q, k, v, o, lse, ctx.aux, ctx.scale, ctx.backend)
         dkd = dvd = None
         acc, add = ctx.acc, True
@@ -41,7 +40,7 @@ class _MoDAAttn(torch.autograd.Function):
             acc, add = (acc[:2], acc[2]) if len(acc) == 3 else (acc, True)
             _check_acc(acc, kd, vd)
         if kd is not None and kd.shape[3] > 0:
-            dq = _like(dq, q)
+            dq = _seq.like(dq, q)
             dkd, dvd = _k.depth_bwd(q, o, do, lse, dq, kd, vd, ctx.scale, ctx.cfg, *(acc or (None, None)), add=add)
         elif kd is not None and acc is None:  # S = 0 slots: empty gradients
             dkd, dvd = torch.zeros_like(kd), torch.zeros_like(vd)
@@ -54,15 +53,6 @@ def _check_acc(acc, kd: torch.Tensor, vd: torch.Tensor) -> None:
             raise ValueError(f"depth_grad_acc {name}: {t.dtype} {tuple(t.shape)} on {t.device} does not match kd")
         if t.stride(-1) != 1:
             raise ValueError(f"depth_grad_acc {name} needs a unit last stride, got strides {t.stride()}")
-
-
-def _like(t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """t in ref's layout (same shape): t itself when the strides match, else a copy."""
-    return (
-        t
-        if t.stride() == ref.stride()
-        else torch.empty_strided(ref.shape, ref.stride(), dtype=t.dtype, device=t.device).copy_(t)
-    )
 
 
 def _query_layout(q: torch.Tensor) -> torch.Tensor:

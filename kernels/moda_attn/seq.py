@@ -45,6 +45,13 @@ def backend_for(q: torch.Tensor) -> str:
     return "flash"
 
 
+def like(t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """t in ref's layout (same shape): t itself when the strides match, else a copy."""
+    if t.stride() == ref.stride():
+        return t
+    return torch.empty_strided(ref.shape, ref.stride(), dtype=t.dtype, device=t.device).copy_(t)
+
+
 def _expand(t: torch.Tensor, G: int) -> torch.Tensor:
     return t if G == 1 else t.repeat_interleave(G, 1)
 
@@ -56,7 +63,7 @@ def _reduce(g: torch.Tensor, G: int) -> torch.Tensor:
 
 def seq_fwd(q, k, v, scale: float, backend: str):
     """q [B, Hq, T, D], k/v [B, Hk, T, D] with a unit last stride (e.g. views of [B, T, H, D])
-    -> (o [B, Hq, T, D] in the backend's layout, lse [B, Hq, T] fp32 contiguous, aux)."""
+    -> (o [B, Hq, T, D] in q's layout, lse [B, Hq, T] fp32 contiguous, aux)."""
     B, Hq, T, _ = q.shape
     G = Hq // k.shape[1]
     if backend == "cudnn":
@@ -78,7 +85,7 @@ def seq_fwd(q, k, v, scale: float, backend: str):
         aux = ()
     else:
         raise ValueError(f"unknown sequence backend {backend!r}")
-    return o, lse.reshape(B, Hq, T).contiguous(), aux
+    return like(o, q), lse.reshape(B, Hq, T).contiguous(), aux
 
 
 def seq_bwd(do, q, k, v, o, lse, aux, scale: float, backend: str):

@@ -214,6 +214,22 @@ def test_distinct_unchecked_bad_index_is_harmless():
     assert torch.equal(y[0, 2:], x[0, 2:]) and torch.equal(y[1, 1], x[1, 1])
 
 
+def test_scatter_backward_reads_nothing_for_invalid_entries():
+    """An invalid entry (-1, e.g. a token routed to a no-op expert) gets df 0 and dw 0 even where its f row
+    holds garbage (never written: NaN and inf here); valid entries get w dy[row] and f . dy[row]."""
+    dy = torch.randn(5, 8, device=DEVICE)
+    idx = torch.tensor([3, -1, 0, -1], device=DEVICE)
+    f = torch.randn(4, 8, device=DEVICE)
+    f[1], f[3] = float("nan"), float("inf")
+    w = torch.rand(4, device=DEVICE)
+    df, dw = rk.scatter_add_backward(dy, idx, f, w, True, True)
+    assert torch.equal(df[1], torch.zeros(8, device=DEVICE)) and torch.equal(df[3], df[1])
+    assert dw[1] == 0 and dw[3] == 0
+    for j, row in ((0, 3), (2, 0)):
+        torch.testing.assert_close(df[j], w[j] * dy[row])
+        torch.testing.assert_close(dw[j], (f[j] * dy[row]).sum())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_distinct_indexed_form(dtype):
     """The scatter-add as traced under torch.compile (plain indexing) against the reference: routed rows, and

@@ -68,9 +68,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
         dx = dw1 = dw3 = dw2 = dweight = None
         dout = dout.contiguous()
         dys, dws = _rk.scatter_add_backward(dout, rt.tok, y, rt.w, True, need_w)  # [M, D], [M]
-        if need_w:
-            # no-op rows (tok -1) never had y written: drop whatever the dot read there
-            dws = torch.where(rt.tok >= 0, dws, torch.zeros((), dtype=dws.dtype, device=dws.device))
+        if need_w:  # no-op rows (tok -1) never had y written; the kernel reads nothing there (dw 0)
             dweight = torch.empty_like(weight).index_copy_(0, rt.perm, dws)
         if need_w2:
             (dw2,) = _k.wgrad(1, a, dys, rt, n_exp, w2.dtype, e2=b, site="bwd_dw2")  # [E, F, D]

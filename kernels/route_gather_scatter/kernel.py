@@ -166,8 +166,8 @@ def _scatter_bwd_kernel(
 ):
     j = tl.program_id(0).to(tl.int64)
     row, valid = _rows(idx_ptr, j, n_idx, k_seq, seq_len)
-    # invalid row: load nothing; one comparison instead of `cmask & valid` (the 3.9 interpreter turns
-    # bool & scalar-bool into int32)
+    # invalid row: load nothing (dw = 0 whatever f holds there, e.g. rows never written); one comparison
+    # instead of `cmask & valid` (the 3.9 interpreter turns bool & scalar-bool into int32)
     d_valid = tl.where(valid, D, 0)
     wj = tl.load(w_ptr + j).to(tl.float32)
     dot = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -178,7 +178,7 @@ def _scatter_bwd_kernel(
         if HAS_DF:
             tl.store(df_ptr + j * stride_df + cols, (wj * g).to(df_ptr.dtype.element_ty), mask=cmask)
         if HAS_DW:
-            fv = tl.load(f_ptr + j * stride_f + cols, mask=cmask, other=0.0).to(tl.float32)
+            fv = tl.load(f_ptr + j * stride_f + cols, mask=cols < d_valid, other=0.0).to(tl.float32)
             dot += fv * g
     if HAS_DW:
         tl.store(dw_ptr + j, tl.sum(dot, axis=0).to(dw_ptr.dtype.element_ty))
@@ -327,7 +327,8 @@ def scatter_add_backward(
         f: ``[B * K, D]`` routed block output.
         w: ``[B * K]`` router weights.
         need_df: compute ``df [B * K, D] = w[:, None] * dy[rows]`` (dtype of f).
-        need_dw: compute ``dw [B * K] = sum_d f * dy[rows]`` (fp32 dot, dtype of w).
+        need_dw: compute ``dw [B * K] = sum_d f * dy[rows]`` (fp32 dot, dtype of w; 0 for invalid entries,
+            whose f is not read).
         block_d: columns per loop step; see ``gather_rows``.
 
     Returns:

@@ -1,8 +1,46 @@
-"""Test helper shared by the kernel tests: compare a kernel's output against its naive reference."""
+"""Test helpers shared by the kernel tests and tuners: NaN-poisoned allocations, and a kernel's output
+compared against its naive reference."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+
 import torch
+
+# What library code allocates uninitialised memory with (torch.empty_strided: seq.like).
+_ALLOCATORS = ((torch, "empty"), (torch, "empty_like"), (torch, "empty_strided"), (torch.Tensor, "new_empty"))
+
+
+def _poisoned(alloc: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    @functools.wraps(alloc)
+    def poisoned(*args, **kwargs) -> torch.Tensor:
+        out = alloc(*args, **kwargs)
+        if out.is_floating_point() or out.is_complex():
+            with torch.no_grad():  # a leaf created with requires_grad=True
+                out.fill_(float("nan"))
+        return out
+
+    return poisoned
+
+
+@contextlib.contextmanager
+def poison_empty() -> Iterator[None]:
+    """Within the block, every uninitialised floating-point allocation (``torch.empty``, ``empty_like``,
+    ``empty_strided``, ``Tensor.new_empty``) starts as NaN, so an output element a kernel leaves unwritten
+    shows up as NaN instead of passing as whatever the memory held (FLA's conftest does the same)."""
+    saved = [(owner, name, getattr(owner, name), name in vars(owner)) for owner, name in _ALLOCATORS]
+    try:
+        for owner, name, alloc, _ in saved:
+            setattr(owner, name, _poisoned(alloc))
+        yield
+    finally:
+        for owner, name, alloc, own in saved:
+            if own:
+                setattr(owner, name, alloc)
+            else:  # inherited (Tensor.new_empty comes from the C base class): uncover it again
+                delattr(owner, name)
 
 
 def assert_close(name: str, ref: torch.Tensor, tri: torch.Tensor, ratio: float) -> None:

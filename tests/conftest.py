@@ -5,6 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels.testing import poison_empty as _poison_empty
+
 # Triton decides at decoration time whether a kernel is interpreted, and model modules import kernels
 # while test modules are collected: without a GPU, switch the interpreter on before anything imports them.
 if not torch.cuda.is_available():
@@ -18,6 +20,14 @@ FIXTURES = ROOT.parent / "shared" / "fixtures"
 def _cache(tmp_path_factory):
     """Tokenised corpora are cached per session, away from the user's ~/.cache."""
     os.environ.setdefault("MIXDEPTH_CACHE", str(tmp_path_factory.mktemp("cache")))
+
+
+@pytest.fixture
+def poison_empty():
+    """NaN-fills every uninitialised floating-point allocation during the test (torch.empty, empty_like,
+    empty_strided, Tensor.new_empty): an output element a kernel leaves unwritten fails the comparison."""
+    with _poison_empty():
+        yield
 
 
 @pytest.fixture

@@ -1,21 +1,13 @@
 """Grouped expert SwiGLU MLP: the Triton op against naive.py (output and every gradient)."""
 
-import os
 from dataclasses import replace
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run in the CPU interpreter
-
-import triton  # noqa: E402,F401
-
-from kernels.grouped_mlp import grouped_swiglu, grouped_swiglu_naive  # noqa: E402
-from kernels.grouped_mlp import kernel as gk  # noqa: E402
-from kernels.grouped_mlp import op as gop  # noqa: E402
-from kernels.route_gather_scatter import kernel as rk  # noqa: E402
-from kernels.testing import assert_close  # noqa: E402
+from kernels.grouped_mlp import grouped_swiglu, grouped_swiglu_naive
+from kernels.grouped_mlp import kernel as gk
+from kernels.testing import assert_close
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3}
@@ -23,10 +15,11 @@ TOL = {torch.float32: 1e-5, torch.float16: 5e-3}
 SMALL = gk.GmmConfig(block_m=16, block_n=16, block_k=16, wgrad_p=16, wgrad_q=16, wgrad_k=16, num_warps=4)
 
 
+pytestmark = pytest.mark.usefixtures("poison_empty")  # kernel outputs start as NaN
+
+
 @pytest.fixture(autouse=True)
-def _poison_and_tiles(monkeypatch):
-    monkeypatch.setattr(gk, "POISON_EMPTY", True)
-    monkeypatch.setattr(rk, "POISON_EMPTY", True)
+def _tiles(monkeypatch):
     monkeypatch.setattr(gk, "CONFIG", SMALL)
 
 
@@ -56,10 +49,6 @@ def _check(n, d, f, n_exp, tok, exp, dtype=torch.float32, seed=0):
     for name, a, b in zip(("out", "dx", "dw1", "dw3", "dw2", "dweight"), *res, strict=True):
         assert_close(name, a, b, TOL[dtype])
     return res[1]
-
-
-def test_triton_path_is_used():
-    assert gop._use_triton(torch.empty(1, device=DEVICE)), "kernels would silently fall back to naive"
 
 
 def test_naive_gradcheck():
@@ -220,14 +209,3 @@ def test_partial_grads():
         grads.append((w2l.grad, wtl.grad))
     for name, a, b in zip(("dw2", "dweight"), *grads, strict=True):
         assert_close(name, a, b, TOL[torch.float32])
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU fallback only")
-def test_cpu_fallback_without_interpreter(monkeypatch):
-    monkeypatch.setattr(gk, "INTERPRET", False)
-    assert not gop._use_triton(torch.empty(1))
-    x = torch.randn(3, 4)
-    w1, w2 = torch.randn(2, 4, 5), torch.randn(2, 5, 4)
-    tok, exp, wt = torch.tensor([0, 2]), torch.tensor([1, 0]), torch.ones(2)
-    ref = grouped_swiglu_naive(x, w1, w1, w2, tok, exp, wt)
-    assert torch.equal(grouped_swiglu(x, w1, w1, w2, tok, exp, wt), ref)

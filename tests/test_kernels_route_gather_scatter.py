@@ -1,35 +1,27 @@
 """Routed gather / scatter-add: the Triton op against naive.py (outputs and every gradient)."""
 
-import os
 from functools import partial
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run in the CPU interpreter
-
-import triton  # noqa: E402,F401
-
-from kernels.route_gather_scatter import kernel as rk  # noqa: E402
-from kernels.route_gather_scatter import op as rop  # noqa: E402
-from kernels.route_gather_scatter import (  # noqa: E402
+from kernels.common import launch
+from kernels.common.scatter_backward import scatter_add_backward
+from kernels.route_gather_scatter import kernel as rk
+from kernels.route_gather_scatter import op as rop
+from kernels.route_gather_scatter import (
     route_gather,
     route_gather_naive,
     route_scatter_add,
     route_scatter_add_naive,
 )
-from kernels.testing import assert_close  # noqa: E402
+from kernels.testing import assert_close
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 # (B, T, D, K): D not a power of two, K=1, K=T, B>1, D over one block (1030 > 1024)
 BATCHED = [(1, 1, 1, 1), (2, 9, 37, 4), (3, 16, 64, 1), (2, 8, 33, 8), (2, 5, 1030, 3)]
-
-
-@pytest.fixture(autouse=True)
-def _poison(monkeypatch):
-    monkeypatch.setattr(rk, "POISON_EMPTY", True)
+pytestmark = pytest.mark.usefixtures("poison_empty")  # kernel outputs start as NaN
 
 
 def _batched_idx(b: int, t: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -72,10 +64,6 @@ def _check_gather(x, idx, ratio, distinct=False):
     assert_close("dx", dx_ref, dx_tri, ratio)
 
 
-def test_triton_path_is_used():
-    assert rop._use_triton(torch.empty(1, device=DEVICE)), "kernels would silently fall back to naive"
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("b,t,d,k", BATCHED)
 def test_batched(b, t, d, k, dtype):
@@ -97,7 +85,7 @@ def test_flat_repeated(dtype, w_dtype):
 
 
 def test_multi_block_ragged(monkeypatch):
-    monkeypatch.setattr(rk, "MAX_BLOCK_D", 16)  # D=37: three column blocks, the last one ragged
+    monkeypatch.setattr(launch, "MAX_BLOCK_D", 16)  # D=37: three column blocks, the last one ragged
     idx = _batched_idx(2, 9, 4)
     x, f, w = _inputs((2, 9, 37), (2, 4), torch.float32)
     _check_gather(x, idx, TOL[torch.float32])
@@ -163,7 +151,7 @@ def test_distinct_flat(dtype):
 
 
 def test_distinct_ragged_blocks(monkeypatch):
-    monkeypatch.setattr(rk, "MAX_BLOCK_D", 16)  # D=37: three column blocks, the last one ragged
+    monkeypatch.setattr(launch, "MAX_BLOCK_D", 16)  # D=37: three column blocks, the last one ragged
     monkeypatch.setattr(rk, "ROWS_TILE", 64)  # 4 entries per program: 9 entries in 3 programs, the last ragged
     idx = _batched_idx(3, 9, 3, seed=3)
     x, f, w = _inputs((3, 9, 37), (3, 3), torch.float32)
@@ -222,7 +210,7 @@ def test_scatter_backward_reads_nothing_for_invalid_entries():
     f = torch.randn(4, 8, device=DEVICE)
     f[1], f[3] = float("nan"), float("inf")
     w = torch.rand(4, device=DEVICE)
-    df, dw = rk.scatter_add_backward(dy, idx, f, w, True, True)
+    df, dw = scatter_add_backward(dy, idx, f, w, True, True)
     assert torch.equal(df[1], torch.zeros(8, device=DEVICE)) and torch.equal(df[3], df[1])
     assert dw[1] == 0 and dw[3] == 0
     for j, row in ((0, 3), (2, 0)):
@@ -385,12 +373,3 @@ def test_bench_workloads_smoke():
         modes["fwd+bwd"]()
         assert x.grad is not None and w.grad is not None
         x.grad = w.grad = None
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU fallback only")
-def test_cpu_fallback_without_triton(monkeypatch):
-    monkeypatch.setattr(rop, "_k", None)  # as on a platform without Triton
-    idx = _batched_idx(2, 9, 4)
-    x, f, w = _inputs((2, 9, 8), (2, 4), torch.float32)
-    assert torch.equal(route_scatter_add(x, idx, f, w), route_scatter_add_naive(x, idx, f, w))
-    assert torch.equal(route_gather(x, idx), route_gather_naive(x, idx))

@@ -240,14 +240,14 @@ def grads_of(model, x) -> dict[str, torch.Tensor]:
         dict(depth_kv="attn+ffn+extra", depth_window=4, norm="post"),
     ],
 )
-def test_gradient_buffer_matches_concatenating_reference(monkeypatch, kw):
+def test_gradient_buffer_matches_concatenating_reference(monkeypatch, poison_empty, kw):
     """The gradient buffers (one add or write per read, one hand-off per slot) give the reference's gradients
-    (fp32); they are allocated NaN-filled here, so a slot summed into before being written or zeroed shows."""
-    monkeypatch.setenv("MIXDEPTH_POISON_EMPTY", "1")
+    (fp32, the reference attention: kd, vd gradients through autograd); they are allocated NaN-filled here, so
+    a slot summed into before being written or zeroed shows."""
     x = torch.randint(0, 64, (2, 16))
-    fast = grads_of(make(n_layers=5, **kw), x)
+    fast = grads_of(make(n_layers=5, attn_impl="naive", **kw), x)
     monkeypatch.setattr(M, "DepthStore", ConcatStore)
-    ref = grads_of(make(n_layers=5, **kw), x)
+    ref = grads_of(make(n_layers=5, attn_impl="naive", **kw), x)
     assert fast.keys() == ref.keys() and all(g is not None for g in fast.values())
     for n, g in ref.items():
         torch.testing.assert_close(fast[n], g, rtol=1e-5, atol=1e-5, msg=n)
@@ -255,16 +255,13 @@ def test_gradient_buffer_matches_concatenating_reference(monkeypatch, kw):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter on CPU")
 @pytest.mark.parametrize("window", [0, 3])
-def test_kernel_adds_into_gradient_buffer_matches_reference(monkeypatch, window):
+def test_kernel_adds_into_gradient_buffer_matches_reference(monkeypatch, poison_empty, window):
     """The Triton kernel writing (first read of its slots in backward order) or adding dkd/dvd into the
     gradient buffers' views vs the concatenating naive reference; buffers allocated NaN-filled."""
-    monkeypatch.setenv("MIXDEPTH_POISON_EMPTY", "1")
     x = torch.randint(0, 64, (2, 16))
-    monkeypatch.setattr(M, "_kernel_ok", lambda q, impl: True)
     fast = grads_of(make(depth_kv="attn+ffn", depth_window=window), x)
-    monkeypatch.setattr(M, "_kernel_ok", lambda q, impl: False)
     monkeypatch.setattr(M, "DepthStore", ConcatStore)
-    ref = grads_of(make(depth_kv="attn+ffn", depth_window=window), x)
+    ref = grads_of(make(depth_kv="attn+ffn", depth_window=window, attn_impl="naive"), x)
     for n, g in ref.items():  # gradients up to ~50: fp32 rounding of the two orders of summation ~1e-5
         torch.testing.assert_close(fast[n], g, rtol=1e-4, atol=1e-4, msg=n)
 
@@ -324,8 +321,7 @@ def test_kernel_path_matches_reference(monkeypatch):
     x = torch.randint(0, 64, (2, 17))
 
     def run(kernel: bool):
-        monkeypatch.setattr(M, "_kernel_ok", lambda q, impl: kernel)
-        model = make(depth_kv="attn+ffn+extra", n_layers=3, depth_window=4)
+        model = make(depth_kv="attn+ffn+extra", n_layers=3, depth_window=4, attn_impl="sdpa" if kernel else "naive")
         loss = model.loss(x[:, :-1], x[:, 1:])
         loss.backward()
         return loss, {n: p.grad for n, p in model.named_parameters()}

@@ -31,7 +31,6 @@ indices outside ``[0, N)`` read as zero rows (memory safe); range checks live in
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 
@@ -39,14 +38,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.route_gather_scatter.kernel import build_segments
+from kernels.common.launch import dot_precision
+from kernels.common.segments import build_segments
 
-__all__ = ["INTERPRET", "POISON_EMPTY", "SITES", "GmmConfig", "Routing", "build_routing", "gmm", "wgrad"]
+__all__ = ["SITES", "GmmConfig", "Routing", "build_routing", "gmm", "wgrad"]
 
-# Tests set this (or MIXDEPTH_POISON_EMPTY=1) so outputs start as NaN and unwritten elements fail.
-POISON_EMPTY: bool = os.environ.get("MIXDEPTH_POISON_EMPTY", "") == "1"
-# Triton picks interpreter vs compiler when the @triton.jit decorators below run, i.e. at this import.
-INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "") == "1"
 # Launch sites of op.py: gmm epilogues 1 (x -> a, b, h), 0 (h -> y), 2 (dy -> da, db), 3 (da, db -> dx), then
 # wgrad modes 1 (dW2) and 0 (dW1, dW3).
 SITES: tuple[str, ...] = ("fwd_up", "fwd_down", "bwd_dh", "bwd_dx", "bwd_dw2", "bwd_dw13")
@@ -108,21 +104,9 @@ CONFIG = GmmConfig(
 )
 
 
-def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    out = torch.empty(shape, dtype=dtype, device=device)
-    if POISON_EMPTY and dtype.is_floating_point:
-        out.fill_(float("nan"))
-    return out
-
-
 def _stages(cfg: GmmConfig, dtype: torch.dtype) -> int:
     # fp32 tiles are twice the bytes: 3 stages of the dual-B tiles (96 KiB each) overflow Hopper's 227 KiB smem
     return cfg.num_stages if dtype.itemsize <= 2 else min(cfg.num_stages, 2)
-
-
-def _dot_prec(dtype: torch.dtype) -> str:
-    # fp32 inputs: exact fp32 products (the reference path); 16-bit inputs use the tensor cores anyway
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 @triton.jit
@@ -340,7 +324,7 @@ class Routing:
         tok: ``[M]`` token of each sorted row; -1 for no-op rows (so the scatter skips them).
         w: ``[M]`` router weight of each sorted row.
         off: ``[E + 1]`` int64 row offsets; expert e owns sorted rows ``[off[e], off[e + 1])``.
-        seg_order, seg: CSR view of ``tok`` over tokens (``build_segments`` of route_gather_scatter).
+        seg_order, seg: CSR view of ``tok`` over tokens (``kernels.common.segments.build_segments``).
         tiles: ``{block_m: (tile_e, tile_r)}`` for every block_m built so far (see ``schedule``): tile_e
             ``[T]`` int32 expert of each GEMM tile, -1 for surplus tiles; tile_r ``[T]`` its first sorted row.
     """
@@ -435,7 +419,7 @@ def gmm(
     m = rt.tok.shape[0]
     k = a.shape[1]
     n_out = {0: 1, 1: 3, 2: 2, 3: 1}[epi]
-    outs = tuple(_empty((m, out_cols), a.dtype, a.device) for _ in range(n_out))
+    outs = tuple(torch.empty((m, out_cols), dtype=a.dtype, device=a.device) for _ in range(n_out))
     if m == 0 or out_cols == 0:
         return outs
     if a2 is not None:
@@ -472,7 +456,7 @@ def gmm(
         outs[0].stride(0),
         EPI=epi,
         GATHER=gather,
-        DOT_PREC=_dot_prec(a.dtype),
+        DOT_PREC=dot_precision(a.dtype),
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
@@ -514,7 +498,7 @@ def wgrad(
     """
     cfg = (cfg or CONFIG).at(site, p.dtype)
     pdim, qdim = p.shape[1], q.shape[1]
-    outs = tuple(_empty((n_exp, pdim, qdim), w_dtype, p.device) for _ in range(2 if mode == 0 else 1))
+    outs = tuple(torch.empty((n_exp, pdim, qdim), dtype=w_dtype, device=p.device) for _ in range(2 if mode == 0 else 1))
     if n_exp == 0 or pdim == 0 or qdim == 0:
         return outs
     if q2 is not None:
@@ -540,7 +524,7 @@ def wgrad(
         outs[0].stride(0),
         outs[0].stride(1),
         MODE=mode,
-        DOT_PREC=_dot_prec(p.dtype),
+        DOT_PREC=dot_precision(p.dtype),
         BLOCK_P=cfg.wgrad_p,
         BLOCK_Q=cfg.wgrad_q,
         BLOCK_K=cfg.wgrad_k,

@@ -4,45 +4,40 @@ Pipeline (all on the device, no host sync in forward or backward):
 
 1. ``build_routing``: stable sort of the assignments by expert (no-op experts last), per-expert row offsets
    by ``searchsorted``, a ``tile -> (expert, first row)`` schedule of static size
-   ``cdiv(M, BM) + min(E, M)``, and the token CSR of route_gather_scatter's ``build_segments``.
+   ``cdiv(M, BM) + min(E, M)``, and the token CSR (``kernels.common.segments.build_segments``).
 2. Grouped GEMM 1 with the token gather fused into its A loads and a SwiGLU epilogue: pre-activations
    ``a = x W1``, ``b = x W3`` and ``h = silu(a) * b`` per sorted row.
 3. Grouped GEMM 2: ``y = h W2`` per sorted row.
-4. Router-weighted scatter back: route_gather_scatter's segmented reduction (``segment_sum``) over the token
-   CSR, ``out[t] = sum_r w_r y_r``: fp32, one write per token row, repeated tokens without atomics,
+4. Router-weighted scatter back: the segmented reduction (``kernels.common.segments.segment_sum``) over the
+   token CSR, ``out[t] = sum_r w_r y_r``: fp32, one write per token row, repeated tokens without atomics,
    deterministic; tokens without a real assignment get 0.
 
 Saved for backward: the routing view, x, the weights, a and b (``[M, F]`` each, dtype of x) and y
 (``[M, D]``, for the router-weight gradient). h is not saved: the backward kernels recompute it from a, b
 in their loads (forward computes h from the rounded a, b too, so both agree bit for bit).
 
-Backward: ``dy_r = w_r dout[t_r]`` and ``dweight_r = <y_r, dout[t_r]>`` (route_gather_scatter's
-``scatter_add_backward``); ``dh = dy W2^T`` with the SwiGLU backward in its epilogue (da, db);
+Backward: ``dy_r = w_r dout[t_r]`` and ``dweight_r = <y_r, dout[t_r]>`` (``kernels.common.scatter_backward``);
+``dh = dy W2^T`` with the SwiGLU backward in its epilogue (da, db);
 ``dx_r = da W1^T + db W3^T`` summed per token by ``segment_sum``; ``dW1 = X^T da``, ``dW3 = X^T db``,
 ``dW2 = h^T dy`` as per-expert reductions over each expert's rows.
 
-Triton runs on CUDA tensors, or on CPU when ``TRITON_INTERPRET=1`` was set before this package was imported;
-otherwise (plain CPU) the op falls back to ``naive.py``.
+Triton or reference by ``kernels.common.dispatch.use_triton``: the kernels on CUDA tensors or under the
+interpreter (bfloat16 refused there), ``naive.py`` on a plain CPU.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kernels.common.dispatch import HAS_TRITON, use_triton
 from kernels.grouped_mlp import naive
 
-try:
+if HAS_TRITON:
+    from kernels.common.scatter_backward import scatter_add_backward
+    from kernels.common.segments import segment_sum
     from kernels.grouped_mlp import kernel as _k
-    from kernels.route_gather_scatter import kernel as _rk
-except ImportError:  # no Triton on this platform: naive fallback only
-    _k = None
-    _rk = None
 
 __all__ = ["grouped_swiglu"]
-
-
-def _use_triton(x: torch.Tensor) -> bool:
-    return _k is not None and (x.is_cuda or _k.INTERPRET)
 
 
 class _GroupedSwiGLU(torch.autograd.Function):
@@ -53,7 +48,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
         rt = _k.build_routing(token_idx, expert_idx, weight, n, n_exp, _k.CONFIG.block_ms(x.dtype))
         a, b, h = _k.gmm(1, x, w1, rt, f, gather=True, n_tok=n, b2=w3, site="fwd_up")  # [M, F] each
         (y,) = _k.gmm(0, h, w2, rt, d, site="fwd_down")  # [M, D]
-        out = _rk.segment_sum(None, y, rt.w, rt.seg_order, rt.seg, x.dtype)  # [N, D]
+        out = segment_sum(None, y, rt.w, rt.seg_order, rt.seg, x.dtype)  # [N, D]
         ctx.rt = rt
         ctx.save_for_backward(x, w1, w3, w2, a, b, y, weight)
         return out
@@ -67,7 +62,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
         need_x, need_w1, need_w3, need_w2, _, _, need_w = ctx.needs_input_grad
         dx = dw1 = dw3 = dw2 = dweight = None
         dout = dout.contiguous()
-        dys, dws = _rk.scatter_add_backward(dout, rt.tok, y, rt.w, True, need_w)  # [M, D], [M]
+        dys, dws = scatter_add_backward(dout, rt.tok, y, rt.w, True, need_w)  # [M, D], [M]
         if need_w:  # no-op rows (tok -1) never had y written; the kernel reads nothing there (dw 0)
             dweight = torch.empty_like(weight).index_copy_(0, rt.perm, dws)
         if need_w2:
@@ -77,7 +72,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
             if need_x:
                 w1t, w3t = w1.transpose(1, 2), w3.transpose(1, 2)
                 (dxs,) = _k.gmm(3, da, w1t, rt, d, a2=db, b2=w3t, site="bwd_dx")  # [M, D]
-                dx = _rk.segment_sum(None, dxs, None, rt.seg_order, rt.seg, x.dtype)  # [N, D]
+                dx = segment_sum(None, dxs, None, rt.seg_order, rt.seg, x.dtype)  # [N, D]
             if need_w1 or need_w3:
                 dw1, dw3 = _k.wgrad(0, x, da, rt, n_exp, w1.dtype, q2=db, n_tok=n, site="bwd_dw13")  # [E, D, F]
         return dx, dw1, dw3, dw2, None, None, dweight
@@ -156,7 +151,7 @@ def grouped_swiglu(
         ``out [N, D]`` in x's dtype.
     """
     _validate(x, w1, w3, w2, token_idx, expert_idx, weight, check)
-    if not _use_triton(x):
+    if not use_triton("grouped_swiglu", x, w1, w3, w2, weight):
         return naive.grouped_swiglu_naive(x, w1, w3, w2, token_idx, expert_idx, weight)
     return _GroupedSwiGLU.apply(
         x.contiguous(),

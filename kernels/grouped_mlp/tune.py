@@ -35,12 +35,12 @@ import torch
 import triton
 import triton.testing
 
+from kernels.common.scatter_backward import scatter_add_backward
 from kernels.grouped_mlp import kernel as K
 from kernels.grouped_mlp.bench import bench_grouped_mlp, make_inputs
 from kernels.grouped_mlp.naive import grouped_swiglu_naive
 from kernels.grouped_mlp.op import grouped_swiglu
-from kernels.route_gather_scatter import kernel as RK
-from kernels.testing import assert_close
+from kernels.testing import assert_close, poison_empty
 
 GMM_KEYS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "group_m", "epi_n", "maxnreg")
 WGRAD_KEYS = ("wgrad_p", "wgrad_q", "wgrad_k", "num_warps", "num_stages", "group_m", "maxnreg")
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     N, D, F, E, k, M = a.tokens, a.d_model, a.d_ff, a.experts, a.top_k, a.tokens * a.top_k
-    dtype, base, poison = getattr(torch, a.dtype), K.CONFIG, (K.POISON_EMPTY, RK.POISON_EMPTY)
+    dtype, base = getattr(torch, a.dtype), K.CONFIG
     top = 1 if a.quick else TOP
     x, w1, w3, w2, tok, exp, w, dy = make_inputs(N, E, k, D, F, dtype, "cuda", torch.Generator().manual_seed(0))
     leaves = [t.detach() for t in (x, w1, w3, w2, w)]
@@ -167,21 +167,23 @@ def main(argv: list[str] | None = None) -> int:
 
     def check(cfg: K.GmmConfig) -> str | None:
         """None when the op with ``cfg`` (unwritten outputs poisoned) matches naive.py, else the mismatch."""
-        K.CONFIG, K.POISON_EMPTY, RK.POISON_EMPTY = cfg, True, True
+        K.CONFIG = cfg
         try:
-            for name, r, t in zip(NAMES, ref, run_op(grouped_swiglu), strict=True):
+            with poison_empty():
+                got = run_op(grouped_swiglu)
+            for name, r, t in zip(NAMES, ref, got, strict=True):
                 assert_close(name, r, t, 1e-2)
         except AssertionError as e:
             return str(e)
         finally:
-            K.CONFIG, (K.POISON_EMPTY, RK.POISON_EMPTY) = base, poison
+            K.CONFIG = base
         return None
 
     # the routing (every block_m of the grid) and the inputs of each launch, once, with the current config
     rt = K.build_routing(tok, exp, w, N, E, (64, 128, 256, *base.block_ms(dtype)))
     a_, b_, h = K.gmm(1, x, w1, rt, F, gather=True, n_tok=N, b2=w3, site="fwd_up")
     (y,) = K.gmm(0, h, w2, rt, D, site="fwd_down")
-    dys, _ = RK.scatter_add_backward(dy, rt.tok, y, rt.w, True, False)
+    dys, _ = scatter_add_backward(dy, rt.tok, y, rt.w, True, False)
     da, db = K.gmm(2, dys, w2.transpose(1, 2), rt, F, e1=a_, e2=b_, site="bwd_dh")
     w1t, w3t, w2t = (t.transpose(1, 2) for t in (w1, w3, w2))
     launch: dict[str, Callable[[K.GmmConfig], object]] = {  # the calls of op.py, config from the argument

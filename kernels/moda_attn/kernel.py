@@ -36,12 +36,13 @@ under the 3.9 CPU interpreter.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from kernels.common.launch import dot_precision
 
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)  # the kernels' copy: Triton reads only constexpr globals
@@ -399,18 +400,6 @@ def get_config(device: torch.device, D: int, G: int) -> Config:
     return cfg or Config(rows=max(1, 1024 // D), warps=4)
 
 
-def _empty(shape, dtype, device) -> torch.Tensor:
-    """torch.empty, NaN-filled when MIXDEPTH_POISON_EMPTY=1 so that unwritten elements show up in tests."""
-    t = torch.empty(shape, dtype=dtype, device=device)
-    if os.environ.get("MIXDEPTH_POISON_EMPTY", "0") == "1":
-        t.fill_(float("nan"))
-    return t
-
-
-def _dot_prec(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"  # fp32: exact products (tests); 16-bit: tensor cores
-
-
 def _launch(q, kd, cfg: Config):
     """(use the tensor-core tiles?, grid, constexprs common to both kernels of that variant)."""
     B, Hq, T, D = q.shape
@@ -418,7 +407,7 @@ def _launch(q, kd, cfg: Config):
     G = Hq // Hk
     if G >= cfg.tile_min_g:
         BT, M, N = cfg.tile(G, S)
-        meta = dict(G=G, S=S, D=D, BT=BT, M=M, N=N, DOT_PREC=_dot_prec(q.dtype), num_warps=cfg.tile_warps)
+        meta = dict(G=G, S=S, D=D, BT=BT, M=M, N=N, DOT_PREC=dot_precision(q.dtype), num_warps=cfg.tile_warps)
         return True, (triton.cdiv(T, BT), B * Hk), meta
     BT = cfg.positions(G)
     return False, (triton.cdiv(T, BT), B * Hk), dict(G=G, GP=triton.next_power_of_2(G), D=D, BT=BT, num_warps=cfg.warps)
@@ -443,9 +432,11 @@ def depth_bwd(q, o, do, lse, dq, kd, vd, scale: float, cfg: Config, dkd_acc=None
     T, Hk, S = q.shape[2], kd.shape[1], kd.shape[3]
     assert o.stride() == do.stride() == dq.stride() == q.stride(), "q, o, do and dq must share one layout"
     acc = dkd_acc is not None
-    dkd, dvd = (
-        (dkd_acc, dvd_acc) if acc else (_empty(kd.shape, kd.dtype, q.device), _empty(vd.shape, vd.dtype, q.device))
-    )
+    if acc:
+        dkd, dvd = dkd_acc, dvd_acc
+    else:  # contiguous, whatever the strides of kd, vd (a strided view of a slot buffer)
+        dkd = torch.empty(kd.shape, dtype=kd.dtype, device=q.device)
+        dvd = torch.empty(vd.shape, dtype=vd.dtype, device=q.device)
     tile, grid, meta = _launch(q, kd, cfg)
     args = (
         q,

@@ -1,16 +1,20 @@
 """Public MoDA attention op: a fused causal sequence attention (seq.py) merged with the Triton depth kernels
-(kernel.py) through the log-sum-exp, as one autograd function."""
+(kernel.py) through the log-sum-exp, as one autograd function; the reference (naive.py) where they cannot run."""
 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 
 import torch
 
-from . import kernel as _k
+from kernels.common.dispatch import HAS_TRITON, use_triton
+
 from . import seq as _seq
+from .naive import moda_attn_naive
+
+if HAS_TRITON:
+    from . import kernel as _k
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -80,9 +84,10 @@ def moda_attn(
     joint logits ``{scale q.k[s] : s <= t} U {scale q.kd[t, j] : j < S}`` (one shared denominator).
 
     Args:
-        q: queries ``[B, Hq, T, D]``; ``D`` a power of two in [16, 256] (64 and 128 are the tuned ones).
-            Contiguous, or a transposed view of contiguous ``[B, T, Hq, D]`` memory (the projections' layout),
-            used in place; ``o`` comes back in q's layout (any other q is copied contiguous first).
+        q: queries ``[B, Hq, T, D]``. The kernels take ``D`` a power of two in [16, 256] (64 and 128 are the
+            tuned ones); any other ``D`` runs the reference (see below). Contiguous, or a transposed view of
+            contiguous ``[B, T, Hq, D]`` memory (the projections' layout), used in place; ``o`` comes back in
+            q's layout (any other q is copied contiguous first).
         k: sequence keys of this layer ``[B, Hk, T, D]``; ``Hq = G * Hk`` for any integer ``G >= 1``,
             query head ``h`` reads KV head ``h // G``.
         v: sequence values ``[B, Hk, T, D]``.
@@ -96,18 +101,25 @@ def moda_attn(
         depth_grad_acc: ``(gkd, gvd)`` shaped like ``kd``, ``vd`` (unit last stride, ``kd``'s dtype or fp32,
             not overlapping any input), e.g. the matching views of a slot-gradient buffer, or a function
             returning them, called (and its result checked) in the backward pass, so that the buffers need
-            not exist before. The backward ADDS dL/dkd, dL/dvd into them in place (fp32 sum, one rounding),
-            and kd, vd get no gradient here. The function may return ``(gkd, gvd, add)``: with ``add=False``
-            the buffers' contents are garbage and get overwritten instead (the first of several sums: no
-            zero-filling, no read).
+            not exist before. The kernels' backward ADDS dL/dkd, dL/dvd into them in place (fp32 sum, one
+            rounding), and kd, vd get no gradient then. The function may return ``(gkd, gvd, add)``: with
+            ``add=False`` the buffers' contents are garbage and get overwritten instead (the first of several
+            sums: no zero-filling, no read). The reference ignores them (see below).
 
     Returns:
-        ``o`` ``[B, Hq, T, D]`` in q's layout and the input dtype (fp16, bf16 or fp32; all inputs share it).
-        Differentiable w.r.t. q, k, v, kd, vd.
+        ``o`` ``[B, Hq, T, D]`` in the input dtype (fp16, bf16 or fp32; all inputs share it), in q's layout
+        (contiguous from the reference). Differentiable w.r.t. q, k, v, kd, vd.
 
-    The sequence part runs on torch's fused causal attention (cuDNN for fp16/bf16 on CUDA; see seq.py), the
-    depth part on the Triton kernels; on CPU both need ``TRITON_INTERPRET=1`` (slow; tests only). Depth
-    products and accumulation are fp32. ``kernels.moda_attn.moda_attn_naive`` is the readable reference.
+    Raises:
+        TypeError: bfloat16 inputs under the Triton interpreter (its bf16 dots are wrong), and bad dtypes.
+        ValueError: inconsistent shapes, devices, scale or ``depth_grad_acc``.
+
+    Where Triton runs (``kernels.common.dispatch.use_triton``: CUDA tensors, or any tensor under
+    ``TRITON_INTERPRET=1``, slow, for tests), the sequence part runs on torch's fused causal attention (cuDNN
+    for fp16/bf16 on CUDA; see seq.py) and the depth part on the Triton kernels; depth products and
+    accumulation are fp32. Elsewhere (a plain CPU) and for head dims the kernels do not take, the op returns
+    ``moda_attn_naive`` (the readable fp32 reference, same semantics): there ``depth_grad_acc`` is not used,
+    kd and vd get their gradients through autograd and the buffers stay untouched.
     """
     if (kd is None) != (vd is None):
         raise ValueError("kd and vd must both be given or both be None")
@@ -132,8 +144,6 @@ def moda_attn(
         raise ValueError(f"k/v {tuple(k.shape)} do not match q {tuple(q.shape)} in B, T or D")
     if Hk == 0 or Hq % Hk:
         raise ValueError(f"Hq={Hq} must be a positive multiple of Hk={Hk}")
-    if D < 16 or D > 256 or D & (D - 1):
-        raise ValueError(f"head dim D={D} must be a power of two in [16, 256]")
     if kd is not None:
         if kd.shape != vd.shape:
             raise ValueError(f"kd {tuple(kd.shape)} and vd {tuple(vd.shape)} differ")
@@ -143,11 +153,11 @@ def moda_attn(
         raise ValueError("depth_grad_acc needs kd and vd")
     if depth_grad_acc is not None and not callable(depth_grad_acc):
         _check_acc(depth_grad_acc, kd, vd)
-    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        raise RuntimeError("moda_attn runs on CUDA (or on CPU with TRITON_INTERPRET=1); use moda_attn_naive")
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if not scale > 0 or not math.isfinite(scale):
         raise ValueError(f"scale must be positive and finite, got {scale}")
+    if not use_triton("moda_attn", q, k, v, kd, vd, supported=16 <= D <= 256 and D & (D - 1) == 0):
+        return moda_attn_naive(q, k, v, kd, vd, scale)
 
     q, k, v = _query_layout(q), _unit_last(k), _unit_last(v)
     if kd is not None:

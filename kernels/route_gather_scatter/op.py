@@ -29,26 +29,23 @@ Design choices:
   Gather's forward and scatter's backward need no segments and are shared by both paths.
 - Range (and distinct) checks need a host sync on CUDA: by default they run on CPU tensors only
   (``check=None``); pass ``check=True`` to force them. Unchecked kernels stay memory-safe (see ``kernel.py``).
-- Triton runs on CUDA tensors, or on CPU when ``TRITON_INTERPRET=1`` was set before this package was
-  imported; otherwise (plain CPU, no Triton) the op falls back to ``naive.py`` so the laptop path works.
+- Triton or reference by ``kernels.common.dispatch.use_triton``: the kernels on CUDA tensors or under the
+  interpreter (bfloat16 refused there), ``naive.py`` on a plain CPU, so the laptop path works.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kernels.common.dispatch import HAS_TRITON, use_triton
 from kernels.route_gather_scatter import naive
 
-try:
-    from kernels.route_gather_scatter import kernel as _k
-except ImportError:  # no Triton on this platform: naive fallback only
-    _k = None
+if HAS_TRITON:
+    from kernels.common.scatter_backward import scatter_add_backward
+    from kernels.common.segments import build_segments, segment_sum
+    from kernels.route_gather_scatter.kernel import gather_rows, scatter_rows
 
 __all__ = ["route_gather", "route_scatter_add"]
-
-
-def _use_triton(x: torch.Tensor) -> bool:
-    return _k is not None and (x.is_cuda or _k.INTERPRET)
 
 
 def _validate(x: torch.Tensor, idx: torch.Tensor, check: bool | None, distinct: bool) -> None:
@@ -107,7 +104,7 @@ class _RouteGather(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, idx: torch.Tensor, distinct: bool) -> torch.Tensor:  # x [N, D]
         ctx.save_for_backward(idx)
         ctx.n_rows, ctx.distinct = x.shape[0], distinct
-        return _k.gather_rows(x, idx)  # [B*K, D]
+        return gather_rows(x, idx)  # [B*K, D]
 
     @staticmethod
     def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:  # g [B*K, D]
@@ -118,8 +115,8 @@ class _RouteGather(torch.autograd.Function):
         if ctx.distinct:  # one pass writing every row; under compile fused into the sum of x's gradients
             dx = _pad_row(g)[_slots(idx, ctx.n_rows)]
         else:
-            order, seg = _k.build_segments(_flat_index(idx, ctx.n_rows), ctx.n_rows)
-            dx = _k.segment_sum(None, g, None, order, seg, g.dtype)
+            order, seg = build_segments(_flat_index(idx, ctx.n_rows), ctx.n_rows)
+            dx = segment_sum(None, g, None, order, seg, g.dtype)
         return dx, None, None  # dx [N, D]
 
 
@@ -130,15 +127,15 @@ class _RouteScatterAdd(torch.autograd.Function):
         if distinct and torch.compiler.is_compiling():  # plain indexing: inductor fuses it with its neighbours
             return _scatter_add_indexed(x, idx, f, w)
         if distinct:
-            return _k.scatter_rows(x.clone(), idx, f, w)  # [N, D]
-        order, seg = _k.build_segments(_flat_index(idx, x.shape[0]), x.shape[0])
-        return _k.segment_sum(x, f, w, order, seg, x.dtype)  # [N, D]
+            return scatter_rows(x.clone(), idx, f, w)  # [N, D]
+        order, seg = build_segments(_flat_index(idx, x.shape[0]), x.shape[0])
+        return segment_sum(x, f, w, order, seg, x.dtype)  # [N, D]
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):  # dy [N, D]
         idx, f, w = ctx.saved_tensors
         need_dx, _, need_df, need_dw, _ = ctx.needs_input_grad
-        df, dw = _k.scatter_add_backward(dy.contiguous(), idx, f, w, need_df, need_dw)
+        df, dw = scatter_add_backward(dy.contiguous(), idx, f, w, need_df, need_dw)
         return (dy if need_dx else None), None, df, dw, None
 
 
@@ -159,7 +156,7 @@ def route_gather(
         fp32); unselected rows get 0.
     """
     _validate(x, idx, check, distinct)
-    if not _use_triton(x):
+    if not use_triton("route_gather", x):
         return naive.route_gather_naive(x, idx, distinct=distinct)
     d = x.shape[-1]
     xs = _RouteGather.apply(x.reshape(-1, d).contiguous(), idx.contiguous(), distinct)  # [B*K, D]
@@ -204,7 +201,7 @@ def route_scatter_add(
         raise TypeError(f"w must be float32 or {x.dtype}, got {w.dtype}")
     if f.device != x.device or w.device != x.device:
         raise ValueError("x, idx, f, w must be on one device")
-    if not _use_triton(x):
+    if not use_triton("route_scatter_add", x, f, w):
         return naive.route_scatter_add_naive(x, idx, f, w, distinct=distinct)
     y = _RouteScatterAdd.apply(
         x.reshape(-1, d).contiguous(),

@@ -19,7 +19,6 @@ Design choices (see the docstrings below for the why):
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -28,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.moda_attn import moda_attn, moda_attn_naive
 from mixdepth.models.blocks import Attention, RMSNorm, Rotary, SwiGLU, sample
 from mixdepth.models.dense import DenseConfig, DenseLM, ModelConfigError
 
@@ -157,9 +157,6 @@ class SlotGrads:
     def _alloc(self) -> None:
         if self.k is None:
             self.k, self.v = (t.new_empty(self.shape) for t in self.like)
-            if os.environ.get("MIXDEPTH_POISON_EMPTY", "0") == "1":  # tests: unsummed garbage shows up as NaN
-                self.k.fill_(float("nan"))
-                self.v.fill_(float("nan"))
 
 
 class _SlotWrite(torch.autograd.Function):
@@ -268,33 +265,21 @@ class DepthStore:
 
 
 # ---- attention ----------------------------------------------------------------------------------------
-def _kernel_ok(q: torch.Tensor, impl: str) -> bool:
-    D = q.shape[-1]
-    return q.is_cuda and impl != "naive" and 16 <= D <= 256 and D & (D - 1) == 0
-
-
 def joint_attention(q, k, v, kd, vd, impl: str, depth_grad: Callable[[], tuple] | None = None) -> torch.Tensor:
     """One softmax over causal sequence K/V and same-position depth slots.
 
     q: [B, Hq, T, hd]; k, v: [B, Hk, T, hd]; kd, vd: [B, Hk, T, S, hd] or None -> [B, Hq, T, hd].
-    On CUDA (head dims it supports) the ``moda_attn`` op (torch's fused causal attention merged with the
-    Triton depth kernels), the fp32 reference otherwise (CPU, FLOP counting); without slots (layer 0) SDPA's
-    fused causal kernels unless ``impl='naive'``. ``depth_grad``: a function returning (gk, gv, add), gk and gv
-    shaped like kd, vd, into which the kernel's backward adds (or with add False writes) kd's and vd's
-    gradients in place (they then flow back as None); the other paths ignore it and return those gradients
-    through autograd.
+    ``impl='naive'``: the explicit fp32 reference ``moda_attn_naive`` (FLOP counting). Otherwise the
+    ``moda_attn`` op, which picks its kernels or its reference itself; without slots (layer 0) SDPA's fused
+    causal kernels. ``depth_grad``: a function returning (gk, gv, add), gk and gv shaped like kd, vd, into which
+    the op's kernels add (or with add False write) kd's and vd's gradients in place (they then flow back as
+    None); the references ignore it and return those gradients through autograd.
     """
-    # imported here, not at module import: Triton fixes interpret mode when kernel.py is imported, and
-    # importing mixdepth.models must not do that before a CPU test sets TRITON_INTERPRET=1
-    from kernels.moda_attn import moda_attn_naive
-
-    if kd is None and impl != "naive":  # no depth slots (layer 0): plain causal attention
+    if impl == "naive":
+        return moda_attn_naive(q, k, v, kd, vd)
+    if kd is None:  # no depth slots (layer 0): plain causal attention
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
-    if _kernel_ok(q, impl):
-        from kernels.moda_attn import moda_attn
-
-        return moda_attn(q, k, v, kd, vd, depth_grad_acc=depth_grad)
-    return moda_attn_naive(q, k, v, kd, vd)
+    return moda_attn(q, k, v, kd, vd, depth_grad_acc=depth_grad)
 
 
 def cached_joint_attention(q, k, v, kd, vd, start: int) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Test helpers shared by the kernel tests and tuners: NaN-poisoned allocations, and a kernel's output
-compared against its naive reference."""
+compared against its naive reference. Imports torch only: tests/conftest.py imports it before it decides
+TRITON_INTERPRET, which must precede every Triton import."""
 
 from __future__ import annotations
 

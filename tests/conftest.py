@@ -32,7 +32,11 @@ def poison_empty():
 
 @pytest.fixture
 def cli(tmp_path):
-    """Run ``python -m <module> args...`` from a foreign directory; returns CompletedProcess."""
+    """Run ``python -m <module> args...`` from a foreign directory; returns CompletedProcess.
+
+    The subprocess sees no GPU: these tests run the CPU presets (``sweep.workers=2``, fp32), whose exact
+    behaviour they check, and on a one-GPU machine ``train.accelerator=auto`` would otherwise pick the GPU and
+    stop at "sweep.workers=2 needs one GPU each" before the behaviour under test."""
     import subprocess
 
     def run(module: str, *args: str, timeout: float = 600):
@@ -42,7 +46,7 @@ def cli(tmp_path):
             capture_output=True,
             text=True,
             timeout=timeout,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""},
         )
 
     return run

@@ -300,6 +300,35 @@ def test_bf16_sequence_backends_gpu(backend, B, Hk, G, T, S, D):
         assert rel_err(a, b)[0] <= 1e-2, (name, rel_err(a, b))
 
 
+def test_cudnn_never_gets_a_single_position():
+    """cuDNN refuses s_q = s_kv = 1 (and the next cuDNN call of that process segfaulted): T = 1 goes to flash,
+    on Hopper as on Ampere; from T = 2 Hopper keeps cuDNN, head dims over 128 and fp32 keep their backends."""
+    from kernels.moda_attn.seq import choose
+
+    bf16, fp16 = torch.bfloat16, torch.float16
+    assert choose(9, bf16, 1, 64, True) == choose(9, fp16, 1, 128, True) == "flash"
+    assert choose(9, bf16, 2, 64, True) == choose(10, fp16, 4096, 128, True) == "cudnn"
+    assert choose(9, bf16, 2, 256, True) == choose(9, bf16, 2, 64, False) == choose(8, bf16, 1, 64, True) == "flash"
+    assert choose(9, torch.float32, 1, 64, True) == choose(7, fp16, 8, 64, True) == "efficient"
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="the CUDA sequence backends")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("S", [0, 2])
+def test_single_position_half_precision_gpu(dtype, S):
+    """T = 1 in bf16/fp16, forward and backward, twice in one process (the second call is where a refused cuDNN
+    call segfaulted): output and every gradient against the fp32 reference."""
+    for seed in (21, 22):
+        ins = make(2, 2, 2, 1, S, 64, dtype=dtype, seed=seed)
+        o = moda_attn(*ins)
+        do = torch.randn(o.shape, generator=torch.Generator().manual_seed(seed)).to(o)
+        got = (o, *torch.autograd.grad(o, ins, do))
+        ref_in = [t.detach().float().requires_grad_() for t in ins]
+        o_ref = moda_attn_naive(*ref_in)
+        ref = (o_ref, *torch.autograd.grad(o_ref, ref_in, do.float(), allow_unused=True, materialize_grads=True))
+        check([g.float() for g in got], ref, tol_rel=1e-2, tol_abs=1e-2)
+
+
 def test_unknown_sequence_backend():
     from kernels.moda_attn import seq
 

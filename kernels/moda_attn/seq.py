@@ -33,14 +33,27 @@ def set_backend(name: str | None) -> None:
 
 
 def backend_for(q: torch.Tensor) -> str:
+    """The sequence backend for queries q [B, Hq, T, D]: the forced one (``set_backend``), else ``choose``'s."""
     if _override is not None:
         return _override
     if q.device.type != "cuda":
         return "cpu"
     major, _ = torch.cuda.get_device_capability(q.device)
-    if q.dtype == torch.float32 or major < 8:  # flash and cuDNN attention need fp16/bf16 and Ampere or newer
+    return choose(major, q.dtype, q.shape[2], q.shape[-1], torch.backends.cudnn.is_available())
+
+
+def choose(major: int, dtype: torch.dtype, T: int, D: int, cudnn: bool) -> str:
+    """The fastest CUDA backend that takes the shape, for compute capability ``major``, T positions, head dim D.
+
+    cuDNN refuses s_q = s_kv = 1 ("cuDNN Frontend error: s_q = s_kv = 1 is not supported", cuDNN 9.19 with
+    torch 2.11 on an H200, in the backward), and a process whose cuDNN call failed so segfaulted on its next
+    one: such shapes never reach it. Probed on that H200 (bf16; B 1-2, G 1/2/4, D 64/128, T in 1-9, 15-17,
+    31-33, 63-65, 127-129, 255-257; forward and backward): T = 1 was the only refusal, and no other shape gave
+    non-finite or wrong results. Flash takes every T.
+    """
+    if dtype == torch.float32 or major < 8:  # flash and cuDNN attention need fp16/bf16 and Ampere or newer
         return "efficient"
-    if major >= 9 and q.shape[-1] <= 128 and torch.backends.cudnn.is_available():
+    if major >= 9 and D <= 128 and T > 1 and cudnn:
         return "cudnn"  # the fastest on Hopper (BENCHMARKS.md: 1.6x flash's fwd+bwd on an H200)
     return "flash"
 

@@ -39,8 +39,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 1
 
-    from mixdepth.config import ConfigError
-    from mixdepth.data import DataError
+    from mixdepth.config import ConfigError, DataError
 
     try:
         from mixdepth.config import load_config

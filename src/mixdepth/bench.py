@@ -17,9 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mixdepth.config import TrainConfig
-from mixdepth.data import DataConfig, LMDataModule
-from mixdepth.lit import LitLM
+from mixdepth.config import DataConfig, TrainConfig
+from mixdepth.lit import LitLM, LMDataModule
 from mixdepth.models.dense import DenseConfig, DenseLM
 from mixdepth.train import RunConfig, _quiet, fit, make_trainer, resolve_device
 

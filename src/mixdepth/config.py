@@ -18,12 +18,42 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from mixdepth.data import DataConfig
 from mixdepth.models import MODELS
 
 
 class ConfigError(ValueError):
     """A bad configuration key or value, reported in one line."""
+
+
+class DataError(ValueError):
+    """A corpus cannot be used as configured; the one-line message names the key or path to change."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where tokens come from and how they are split (plain types only: built from YAML).
+
+    Attributes:
+        corpus: ``"stdlib"``, a text file, a folder, a glob, or a ``.bin`` token memmap.
+        tokenizer: ``"bytes"`` (vocab 256) or ``"bpe"`` (trained locally on the train split).
+        bpe_vocab_size: BPE target vocabulary (> 256).
+        bin_dtype: dtype of ``.bin`` ids: ``uint16`` or ``uint32``.
+        bin_vocab_size: vocabulary of a ``.bin`` corpus (required > 0 for ``.bin``).
+        max_bytes: cap on text read, a deterministic prefix in file order (0 = no cap).
+        val_fraction: share of files (or of the tail of a single file / ``.bin``) held out.
+        val_tokens: size of the fixed validation set, taken from the start of the held-out part (0 = all).
+        seq_len: tokens per training window (inputs); windows hold ``seq_len + 1`` tokens.
+    """
+
+    corpus: str = "stdlib"
+    tokenizer: str = "bytes"
+    bpe_vocab_size: int = 1024
+    bin_dtype: str = "uint16"
+    bin_vocab_size: int = 0
+    max_bytes: int = 4_000_000
+    val_fraction: float = 0.1
+    val_tokens: int = 65_536
+    seq_len: int = 128
 
 
 @dataclass(frozen=True)

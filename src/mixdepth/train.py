@@ -16,9 +16,8 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ThroughputMonitor
 
-from mixdepth.config import TrainConfig
-from mixdepth.data import DataConfig, LMDataModule
-from mixdepth.lit import LitLM
+from mixdepth.config import DataConfig, TrainConfig
+from mixdepth.lit import LitLM, LMDataModule
 from mixdepth.models import MODELS
 
 # Dense bf16 peak FLOP/s of chips Lightning does not name correctly ("NVIDIA H200" is not in its table).

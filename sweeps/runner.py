@@ -17,6 +17,7 @@ from mixdepth import results
 from mixdepth.config import ConfigError, LabConfig
 from mixdepth.data import load_corpus
 from mixdepth.train import RunConfig, RunResult, fit, resolve_device
+from sweeps.paths import SweepPaths
 from sweeps.plan import Trial, plan, sweep_id, table
 
 
@@ -63,10 +64,10 @@ def run_row(sid: str, trial: Trial, lab: LabConfig, res: RunResult) -> dict:
     }
 
 
-def _queue(db: Path, sid: str, todo: list[Trial], all_ids: list[str]) -> optuna.Study:
-    """The Optuna study beside the DB; stale RUNNING/WAITING trials of a killed process are failed first."""
+def _queue(journal: Path, sid: str, todo: list[Trial], all_ids: list[str]) -> optuna.Study:
+    """The Optuna study in ``journal``; stale RUNNING/WAITING trials of a killed process are failed first."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    backend = optuna.storages.journal.JournalFileBackend(str(db) + ".optuna.log")
+    backend = optuna.storages.journal.JournalFileBackend(str(journal))
     storage = optuna.storages.JournalStorage(backend)
     study = optuna.create_study(
         study_name=sid,
@@ -85,9 +86,17 @@ def _queue(db: Path, sid: str, todo: list[Trial], all_ids: list[str]) -> optuna.
     return study
 
 
-def run_isoflop(lab: LabConfig, conf_dir: Path, db: Path, preset: str, dry_run: bool) -> int:
+def run_isoflop(lab: LabConfig, preset: str, paths: SweepPaths, dry_run: bool = False) -> int:
+    """Plan the sweep, then (unless ``dry_run``) train what the store lacks, store it, fit and report.
+
+    Args:
+        lab: the resolved config (``load_config``).
+        preset: the preset name, part of the sweep id.
+        paths: the store, the Optuna journal and the report folder, decided by the CLI.
+        dry_run: print the plan and return.
+    """
     sid = sweep_id(lab, preset)
-    trials, notes = plan(lab, conf_dir, sid)
+    trials, notes = plan(lab, sid)
     if dry_run:
         print(f"sweep {sid}: {len(trials)} runs, {sum(t.train_flops for t in trials):.3g} training FLOPs")
         print(table(trials))
@@ -96,9 +105,9 @@ def run_isoflop(lab: LabConfig, conf_dir: Path, db: Path, preset: str, dry_run: 
         return 0
     gpus = _worker_gpus(lab)
     load_corpus(lab.data)  # fail on a bad corpus before the database is touched; fills the cache workers read
-    con = results.connect(db)  # held for the whole sweep: the one writer of this database
+    con = results.connect(paths.db)  # held for the whole sweep: the one writer of this database
     try:
-        return _run(lab, db, con, sid, preset, trials, gpus)
+        return _run(lab, paths, con, sid, preset, trials, gpus)
     finally:
         con.close()
 
@@ -128,13 +137,15 @@ def _record(con, sid: str, lab: LabConfig, t: Trial, res: RunResult, tag: str = 
     return res.val_loss
 
 
-def _run(lab: LabConfig, db: Path, con, sid: str, preset: str, trials: list[Trial], gpus: list[str]) -> int:
-    results.add_sweep(con, sid, lab.sweep.name, preset, asdict(lab))
+def _run(lab: LabConfig, paths: SweepPaths, con, sid: str, preset: str, trials: list[Trial], gpus: list[str]) -> int:
+    results.add_sweep(con, sid, lab.sweep.name, preset, lab.sections())
     done = results.finished_run_ids(con)
     todo = [t for t in trials if t.run_id not in done]
     by_id = {t.run_id: t for t in trials}
-    print(f"sweep {sid}: {len(trials)} runs planned, {len(trials) - len(todo)} already in {db}, {len(todo)} to run")
-    study = _queue(db, sid, todo, list(by_id))
+    print(
+        f"sweep {sid}: {len(trials)} runs planned, {len(trials) - len(todo)} already in {paths.db}, {len(todo)} to run"
+    )
+    study = _queue(paths.journal, sid, todo, list(by_id))
     counter = {"i": 0}
 
     def objective(trial: optuna.Trial) -> float:
@@ -152,10 +163,9 @@ def _run(lab: LabConfig, db: Path, con, sid: str, preset: str, trials: list[Tria
 
     from analysis.pipeline import run_all
 
-    out_dir = db.parent / f"{db.stem}_report" / sid
-    paths = run_all(con, sid, out_dir, n_boot=lab.sweep.bootstrap)
-    print(f"results: {db}")
-    for name, p in paths.items():
+    written = run_all(con, sid, paths.reports / sid, n_boot=lab.sweep.bootstrap)
+    print(f"results: {paths.db}")
+    for name, p in written.items():
         print(f"{name}: {p}")
     return 0
 

@@ -21,47 +21,35 @@ from sweeps.paths import SweepPaths
 from sweeps.plan import Trial, plan, sweep_id, table
 
 
-def run_row(sid: str, trial: Trial, lab: LabConfig, res: RunResult) -> dict:
+def run_record(sid: str, trial: Trial, lab: LabConfig, metrics: results.RunMetrics) -> results.RunRecord:
+    """The stored row of a finished trial: what the plan fixed and what training measured."""
     m = trial.model
-    return {
-        "run_id": trial.run_id,
-        "sweep_id": sid,
-        "arch": trial.arch,
-        "budget": trial.budget,
-        "d_model": m.d_model,
-        "n_layers": m.n_layers,
-        "n_heads": m.n_heads,
-        "n_kv_heads": m.n_kv_heads,
-        "d_ff": m.d_ff,
-        "seq_len": m.seq_len,
-        "vocab_size": m.vocab_size,
-        "params_total": trial.params["total"],
-        "params_nonembed": trial.params["nonembed"],
-        "params_active": trial.params["active"],
-        "flops_per_token": trial.flops_per_token,
-        "flops_6nd": 6 * trial.params["nonembed"] * res.tokens,
-        "train_flops": res.train_flops,
-        "tokens": res.tokens,
-        "steps": res.steps,
-        "batch_size": lab.train.batch_size,
-        "lr": lab.train.lr,
-        "seed": lab.train.seed,
-        "status": res.status,
-        "val_loss": res.val_loss,
-        "val_loss_causal": res.val_loss_causal,
-        "routing_stats": res.routing_stats or None,
-        "train_loss": res.train_loss,
-        "wall_s": res.wall_s,
-        "tokens_per_s": res.tokens_per_s,
-        "mfu": res.mfu,
-        "peak_flops": res.peak_flops,
-        "device": res.device,
-        "precision": res.precision,
-        "versions": res.versions,
-        "corpus": res.corpus,
-        "corpus_fingerprint": res.corpus_fingerprint,
-        "config": {"model": asdict(m), "data": asdict(lab.data), "train": asdict(lab.train)},
-    }
+    return results.RunRecord(
+        run_id=trial.run_id,
+        sweep_id=sid,
+        arch=trial.arch,
+        budget=trial.budget,
+        d_model=m.d_model,
+        n_layers=m.n_layers,
+        n_heads=m.n_heads,
+        n_kv_heads=m.n_kv_heads,
+        d_ff=m.d_ff,
+        seq_len=m.seq_len,
+        vocab_size=m.vocab_size,
+        params_total=trial.params["total"],
+        params_nonembed=trial.params["nonembed"],
+        params_active=trial.params["active"],
+        flops_per_token=trial.flops_per_token,
+        flops_6nd=6 * trial.params["nonembed"] * trial.tokens,
+        train_flops=trial.train_flops,
+        tokens=trial.tokens,
+        steps=trial.steps,
+        batch_size=lab.train.batch_size,
+        lr=lab.train.lr,
+        seed=lab.train.seed,
+        metrics=metrics,
+        config={"model": asdict(m), "data": asdict(lab.data), "train": asdict(lab.train)},
+    )
 
 
 def _queue(journal: Path, sid: str, todo: list[Trial], all_ids: list[str]) -> optuna.Study:
@@ -132,9 +120,10 @@ def _header(i: int, n: int, t: Trial) -> str:
 
 def _record(con, sid: str, lab: LabConfig, t: Trial, res: RunResult, tag: str = "") -> float:
     """Store a finished run (row and curve in one transaction) and print its result line."""
-    results.add_run(con, run_row(sid, t, lab, res), res.curve)
-    print(f"    {tag}val_loss={res.val_loss:.4f} ({res.wall_s:.1f}s, {res.tokens_per_s:,.0f} tok/s)", flush=True)
-    return res.val_loss
+    m = res.metrics
+    results.add_run(con, run_record(sid, t, lab, m), res.curve)
+    print(f"    {tag}val_loss={m.val_loss:.4f} ({m.wall_s:.1f}s, {m.tokens_per_s:,.0f} tok/s)", flush=True)
+    return m.val_loss
 
 
 def _run(lab: LabConfig, paths: SweepPaths, con, sid: str, preset: str, trials: list[Trial], gpus: list[str]) -> int:

@@ -94,7 +94,7 @@ def bench_mfu(args) -> None:
         train = TrainConfig(
             batch_size=args.batch_size, compile=not args.no_compile, progress=False, log_every=50, lr=6e-4
         )
-        res = fit(RunConfig(model, data, train, args.steps))
+        res = fit(RunConfig(model, data, train, args.steps)).metrics
     n = model.n_params()
     print(
         f"dense d{d} L{args.n_layers} H{H} T{T} vocab {vocab} tied: params {n['total']:,}"

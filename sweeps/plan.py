@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from mixdepth.config import ConfigError, LabConfig, Shape, model_config
-from mixdepth.flops import steps_for_budget
+from mixdepth.flops import steps_for_budget, train_flops
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class Trial:
 
     @property
     def train_flops(self) -> float:
-        return 3 * self.flops_per_token * self.tokens
+        return train_flops(self.flops_per_token, self.tokens)
 
 
 def digest(obj: Any, n: int = 12) -> str:
@@ -82,7 +82,7 @@ def plan(lab: LabConfig, sid: str) -> tuple[list[Trial], list[str]]:
                 rid = digest([sid, arch, budget, asdict(m), ident["data"], ident["train"], steps])
                 trials.append(Trial(rid, arch, budget, shape, m, m.n_params(), fpt, steps * tokens_per_step, steps))
             if not kept:
-                need = min(3 * m.flops_per_token() for _, m in models) * s.min_steps * tokens_per_step
+                need = min(train_flops(m.flops_per_token(), s.min_steps * tokens_per_step) for _, m in models)
                 raise ConfigError(
                     f"budget {budget:.3g} FLOPs is below the smallest {arch} model's cost"
                     f" ({need:.3g} FLOPs for sweep.min_steps={s.min_steps} steps)"

@@ -41,6 +41,7 @@ def test_overrides_apply_to_sections_and_model_families():
         ("sweep.archs=[nope]", "nope"),
         ("model.norm=side", "model.norm"),
         ("model.seq_len=64", "data.seq_len"),
+        ("model.arch=mod", "sweep.archs"),
         ("novalue", "key=value"),
     ],
 )
@@ -82,3 +83,17 @@ def test_shapes_where_a_family_is_the_dense_model_are_left_out():
     lab = dataclasses.replace(lab, sweep=dataclasses.replace(lab.sweep, ladder=ladder[:1]))
     with pytest.raises(ConfigError, match="no sweep.ladder shape suits mod"):
         plan(lab, "sid")
+
+
+def test_bench_set_options_are_typed_like_overrides():
+    from mixdepth.bench import step_options
+
+    sets = ["mod.qk_norm=false", "mod.capacity=0.25", "mod.gate=sigmoid", "mod.route_every=3", "dense.qk_norm=true"]
+    got = step_options("mod", sets)
+    assert got == {"qk_norm": False, "capacity": 0.25, "gate": "sigmoid", "route_every": 3}
+    assert got["qk_norm"] is False and step_options("dense", sets)["qk_norm"] is True
+    assert type(step_options("mod", ["mod.capacity=1"])["capacity"]) is float
+    with pytest.raises(ConfigError, match="model.capacity"):
+        step_options("mod", ["mod.capacity=abc"])
+    with pytest.raises(ConfigError, match="unknown config key 'model.capacityy'"):
+        step_options("mod", ["mod.capacityy=0.5"])

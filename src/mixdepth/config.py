@@ -23,7 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from mixdepth.models import MODELS
 
-# Family-config fields that the ladder, the data and the tokenizer set, never model.* or the YAML.
+# Family-config fields that sweep.archs, the ladder, the data and the tokenizer set, never model.* or the YAML.
 FIXED_KEYS = ("arch", "d_model", "n_layers", "n_heads", "n_kv_heads", "seq_len", "vocab_size")
 
 
@@ -222,8 +222,8 @@ def _validate(lab: LabConfig, families: list[str]) -> None:
         if key not in known:
             raise ConfigError(f"unknown config key 'model.{key}' for archs {', '.join(s.archs)}")
         if key in FIXED_KEYS:
-            where = "data.seq_len" if key == "seq_len" else "the tokenizer" if key == "vocab_size" else "sweep.ladder"
-            raise ConfigError(f"config key 'model.{key}' is set by {where}, not by model.*")
+            where = {"arch": "sweep.archs", "seq_len": "data.seq_len", "vocab_size": "the tokenizer"}.get(key)
+            raise ConfigError(f"config key 'model.{key}' is set by {where or 'sweep.ladder'}, not by model.*")
 
 
 def vocab_size(data: DataConfig) -> int:
@@ -290,3 +290,16 @@ def _build(a: ArchConfig, shape: Shape, data: DataConfig):
         return MODELS[a.family][0](**a.keys, **fixed)
     except ValueError as e:  # the family's own shape checks
         raise ConfigError(str(e)) from None
+
+
+def model_options(family: str, overrides: list[str]) -> dict[str, Any]:
+    """``key=value`` strings as typed values of the family config's fields (booleans, numbers, strings).
+
+    Raises:
+        ConfigError: a key the family lacks or a value of the wrong type, in one line.
+    """
+    if family not in MODELS:
+        raise ConfigError(f"unknown model family {family!r}; known: {', '.join(MODELS)}")
+    given = _dotlist(overrides)
+    keys = _typed_keys(family, given)
+    return {k: keys[k] for k in given}

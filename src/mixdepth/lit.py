@@ -34,7 +34,7 @@ class LitLM(L.LightningModule):
     def __init__(self, model: nn.Module, train: TrainConfig, max_steps: int, flops_per_batch: float):
         super().__init__()
         self.model, self.cfg, self.max_steps = model, train, max_steps
-        self.flops_per_batch = flops_per_batch  # training FLOPs (3 x forward), read by ThroughputMonitor
+        self.flops_per_batch = flops_per_batch  # training FLOPs (flops.train_flops), read by ThroughputMonitor
         self.val_sums = torchmetrics.MetricCollection({})  # filled lazily: one SumMetric per statistic
         self.curve: list[dict] = []
         self.val_metrics: dict[str, float] = {}

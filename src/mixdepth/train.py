@@ -20,6 +20,7 @@ import torch
 from lightning.pytorch.callbacks import ThroughputMonitor
 
 from mixdepth.config import DataConfig, TrainConfig
+from mixdepth.flops import train_flops
 from mixdepth.lit import LitLM, LMDataModule
 from mixdepth.models import MODELS
 from mixdepth.results import RunMetrics
@@ -147,7 +148,7 @@ def fit(run: RunConfig, cache_dir: Path | None = None) -> RunResult:
         model.compile()
     tokens_per_batch = t.batch_size * run.data.seq_len
     fpt = run.model.flops_per_token()
-    lit = LitLM(model, t, run.steps, flops_per_batch=3 * fpt * tokens_per_batch)
+    lit = LitLM(model, t, run.steps, flops_per_batch=train_flops(fpt, tokens_per_batch))
     peak = peak_flops(t, accelerator, precision)
     monitor = PeakThroughputMonitor(peak, window_size=max(2, min(100, run.steps // 2)))
     trainer = make_trainer(t, run.steps, accelerator, precision, [monitor])

@@ -1,4 +1,9 @@
-"""``python -m sweeps isoflop [--preset NAME] [--db PATH] [--dry-run] [key=value ...]`` and ``status [--db PATH]``."""
+"""``python -m sweeps isoflop [--preset NAME] [--db PATH] [--conf DIR] [--dry-run] [key=value ...]`` and
+``status [--db PATH]``.
+
+The one place that knows paths: the config folder (read once by ``load_config``), the DuckDB store, the Optuna
+journal beside it and the report folders; everything below takes them as arguments.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,15 @@ import signal
 import sys
 from pathlib import Path
 
+from sweeps.paths import SweepPaths
+
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+def _paths(db: Path) -> SweepPaths:
+    """The store and, beside it, the Optuna journal and the report folders (the one place they are named)."""
+    db = db.expanduser().absolute()
+    return SweepPaths(db=db, journal=Path(f"{db}.optuna.log"), reports=db.parent / f"{db.stem}_report")
 
 
 def _interrupt(signum, frame) -> None:
@@ -22,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     iso.add_argument("--preset", default="isoflop", help="conf/sweep/<preset>.yaml (default: isoflop, CPU)")
     iso.add_argument("--db", type=Path, default=Path("results.db"), help="DuckDB file (default: results.db)")
     iso.add_argument("--dry-run", action="store_true", help="print the plan and exit")
-    iso.add_argument("--conf", type=Path, default=CONF_DIR, help="config folder (default: the package's conf/)")
+    iso.add_argument("--conf", type=Path, default=CONF_DIR, help="config folder (default: this checkout's conf/)")
     st = sub.add_parser("status", help="list the sweeps of a database: planned, finished, failed")
     st.add_argument("--db", type=Path, default=Path("results.db"), help="DuckDB file (default: results.db)")
     args = p.parse_args(argv)
@@ -33,14 +46,13 @@ def main(argv: list[str] | None = None) -> int:
         from sweeps.status import status_table
 
         try:
-            print(status_table(args.db.expanduser().absolute()))
+            print(status_table(_paths(args.db)))
             return 0
         except StoreError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
 
-    from mixdepth.config import ConfigError
-    from mixdepth.data import DataError
+    from mixdepth.config import ConfigError, DataError
 
     try:
         from mixdepth.config import load_config
@@ -48,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
         lab = load_config(args.conf, args.preset, args.overrides)
         signal.signal(signal.SIGTERM, _interrupt)
-        return run_isoflop(lab, args.conf, args.db.expanduser().absolute(), args.preset, args.dry_run)
+        return run_isoflop(lab, args.preset, _paths(args.db), dry_run=args.dry_run)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

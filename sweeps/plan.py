@@ -5,11 +5,10 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 from mixdepth.config import ConfigError, LabConfig, Shape, model_config
-from mixdepth.flops import steps_for_budget
+from mixdepth.flops import steps_for_budget, train_flops
 
 
 @dataclass(frozen=True)
@@ -26,7 +25,7 @@ class Trial:
 
     @property
     def train_flops(self) -> float:
-        return 3 * self.flops_per_token * self.tokens
+        return train_flops(self.flops_per_token, self.tokens)
 
 
 def digest(obj: Any, n: int = 12) -> str:
@@ -34,8 +33,12 @@ def digest(obj: Any, n: int = 12) -> str:
 
 
 def identity(lab: LabConfig) -> dict:
-    """The config that defines results: everything but how runs are displayed and scheduled."""
-    d = asdict(lab)
+    """The config that defines results: the merged sections but how runs are displayed and scheduled.
+
+    The resolved ``lab.archs`` are left out: they derive from these sections and conf/model/ YAML, and each
+    run id hashes its own family config.
+    """
+    d = lab.sections()
     d["train"].pop("progress")
     d["sweep"].pop("workers")
     return d
@@ -46,7 +49,7 @@ def sweep_id(lab: LabConfig, preset: str) -> str:
     return f"{lab.sweep.name}-{digest([preset, identity(lab)], 8)}"
 
 
-def plan(lab: LabConfig, conf_dir: Path, sid: str) -> tuple[list[Trial], list[str]]:
+def plan(lab: LabConfig, sid: str) -> tuple[list[Trial], list[str]]:
     """All grid points that train at least sweep.min_steps steps, and notes on those left out."""
     s, t = lab.sweep, lab.train
     tokens_per_step = t.batch_size * lab.data.seq_len
@@ -55,7 +58,7 @@ def plan(lab: LabConfig, conf_dir: Path, sid: str) -> tuple[list[Trial], list[st
     for arch in s.archs:
         models, dense_like = [], {}
         for shape in s.ladder:
-            m = model_config(lab, arch, shape, conf_dir)
+            m = model_config(lab, arch, shape)
             if why := m.same_as_dense():
                 dense_like.setdefault(why, []).append(f"d={shape.d_model} L={shape.n_layers}")
             else:
@@ -79,7 +82,7 @@ def plan(lab: LabConfig, conf_dir: Path, sid: str) -> tuple[list[Trial], list[st
                 rid = digest([sid, arch, budget, asdict(m), ident["data"], ident["train"], steps])
                 trials.append(Trial(rid, arch, budget, shape, m, m.n_params(), fpt, steps * tokens_per_step, steps))
             if not kept:
-                need = min(3 * m.flops_per_token() for _, m in models) * s.min_steps * tokens_per_step
+                need = min(train_flops(m.flops_per_token(), s.min_steps * tokens_per_step) for _, m in models)
                 raise ConfigError(
                     f"budget {budget:.3g} FLOPs is below the smallest {arch} model's cost"
                     f" ({need:.3g} FLOPs for sweep.min_steps={s.min_steps} steps)"

@@ -17,56 +17,45 @@ from mixdepth import results
 from mixdepth.config import ConfigError, LabConfig
 from mixdepth.data import load_corpus
 from mixdepth.train import RunConfig, RunResult, fit, resolve_device
+from sweeps.paths import SweepPaths
 from sweeps.plan import Trial, plan, sweep_id, table
 
 
-def run_row(sid: str, trial: Trial, lab: LabConfig, res: RunResult) -> dict:
+def run_record(sid: str, trial: Trial, lab: LabConfig, metrics: results.RunMetrics) -> results.RunRecord:
+    """The stored row of a finished trial: what the plan fixed and what training measured."""
     m = trial.model
-    return {
-        "run_id": trial.run_id,
-        "sweep_id": sid,
-        "arch": trial.arch,
-        "budget": trial.budget,
-        "d_model": m.d_model,
-        "n_layers": m.n_layers,
-        "n_heads": m.n_heads,
-        "n_kv_heads": m.n_kv_heads,
-        "d_ff": m.d_ff,
-        "seq_len": m.seq_len,
-        "vocab_size": m.vocab_size,
-        "params_total": trial.params["total"],
-        "params_nonembed": trial.params["nonembed"],
-        "params_active": trial.params["active"],
-        "flops_per_token": trial.flops_per_token,
-        "flops_6nd": 6 * trial.params["nonembed"] * res.tokens,
-        "train_flops": res.train_flops,
-        "tokens": res.tokens,
-        "steps": res.steps,
-        "batch_size": lab.train.batch_size,
-        "lr": lab.train.lr,
-        "seed": lab.train.seed,
-        "status": res.status,
-        "val_loss": res.val_loss,
-        "val_loss_causal": res.val_loss_causal,
-        "routing_stats": res.routing_stats or None,
-        "train_loss": res.train_loss,
-        "wall_s": res.wall_s,
-        "tokens_per_s": res.tokens_per_s,
-        "mfu": res.mfu,
-        "peak_flops": res.peak_flops,
-        "device": res.device,
-        "precision": res.precision,
-        "versions": res.versions,
-        "corpus": res.corpus,
-        "corpus_fingerprint": res.corpus_fingerprint,
-        "config": {"model": asdict(m), "data": asdict(lab.data), "train": asdict(lab.train)},
-    }
+    return results.RunRecord(
+        run_id=trial.run_id,
+        sweep_id=sid,
+        arch=trial.arch,
+        budget=trial.budget,
+        d_model=m.d_model,
+        n_layers=m.n_layers,
+        n_heads=m.n_heads,
+        n_kv_heads=m.n_kv_heads,
+        d_ff=m.d_ff,
+        seq_len=m.seq_len,
+        vocab_size=m.vocab_size,
+        params_total=trial.params["total"],
+        params_nonembed=trial.params["nonembed"],
+        params_active=trial.params["active"],
+        flops_per_token=trial.flops_per_token,
+        flops_6nd=6 * trial.params["nonembed"] * trial.tokens,
+        train_flops=trial.train_flops,
+        tokens=trial.tokens,
+        steps=trial.steps,
+        batch_size=lab.train.batch_size,
+        lr=lab.train.lr,
+        seed=lab.train.seed,
+        metrics=metrics,
+        config={"model": asdict(m), "data": asdict(lab.data), "train": asdict(lab.train)},
+    )
 
 
-def _queue(db: Path, sid: str, todo: list[Trial], all_ids: list[str]) -> optuna.Study:
-    """The Optuna study beside the DB; stale RUNNING/WAITING trials of a killed process are failed first."""
+def _queue(journal: Path, sid: str, todo: list[Trial], all_ids: list[str]) -> optuna.Study:
+    """The Optuna study in ``journal``; stale RUNNING/WAITING trials of a killed process are failed first."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    backend = optuna.storages.journal.JournalFileBackend(str(db) + ".optuna.log")
+    backend = optuna.storages.journal.JournalFileBackend(str(journal))
     storage = optuna.storages.JournalStorage(backend)
     study = optuna.create_study(
         study_name=sid,
@@ -85,9 +74,17 @@ def _queue(db: Path, sid: str, todo: list[Trial], all_ids: list[str]) -> optuna.
     return study
 
 
-def run_isoflop(lab: LabConfig, conf_dir: Path, db: Path, preset: str, dry_run: bool) -> int:
+def run_isoflop(lab: LabConfig, preset: str, paths: SweepPaths, dry_run: bool = False) -> int:
+    """Plan the sweep, then (unless ``dry_run``) train what the store lacks, store it, fit and report.
+
+    Args:
+        lab: the resolved config (``load_config``).
+        preset: the preset name, part of the sweep id.
+        paths: the store, the Optuna journal and the report folder, decided by the CLI.
+        dry_run: print the plan and return.
+    """
     sid = sweep_id(lab, preset)
-    trials, notes = plan(lab, conf_dir, sid)
+    trials, notes = plan(lab, sid)
     if dry_run:
         print(f"sweep {sid}: {len(trials)} runs, {sum(t.train_flops for t in trials):.3g} training FLOPs")
         print(table(trials))
@@ -96,9 +93,9 @@ def run_isoflop(lab: LabConfig, conf_dir: Path, db: Path, preset: str, dry_run: 
         return 0
     gpus = _worker_gpus(lab)
     load_corpus(lab.data)  # fail on a bad corpus before the database is touched; fills the cache workers read
-    con = results.connect(db)  # held for the whole sweep: the one writer of this database
+    con = results.connect(paths.db)  # held for the whole sweep: the one writer of this database
     try:
-        return _run(lab, db, con, sid, preset, trials, gpus)
+        return _run(lab, paths, con, sid, preset, trials, gpus)
     finally:
         con.close()
 
@@ -123,18 +120,21 @@ def _header(i: int, n: int, t: Trial) -> str:
 
 def _record(con, sid: str, lab: LabConfig, t: Trial, res: RunResult, tag: str = "") -> float:
     """Store a finished run (row and curve in one transaction) and print its result line."""
-    results.add_run(con, run_row(sid, t, lab, res), res.curve)
-    print(f"    {tag}val_loss={res.val_loss:.4f} ({res.wall_s:.1f}s, {res.tokens_per_s:,.0f} tok/s)", flush=True)
-    return res.val_loss
+    m = res.metrics
+    results.add_run(con, run_record(sid, t, lab, m), res.curve)
+    print(f"    {tag}val_loss={m.val_loss:.4f} ({m.wall_s:.1f}s, {m.tokens_per_s:,.0f} tok/s)", flush=True)
+    return m.val_loss
 
 
-def _run(lab: LabConfig, db: Path, con, sid: str, preset: str, trials: list[Trial], gpus: list[str]) -> int:
-    results.add_sweep(con, sid, lab.sweep.name, preset, asdict(lab))
+def _run(lab: LabConfig, paths: SweepPaths, con, sid: str, preset: str, trials: list[Trial], gpus: list[str]) -> int:
+    results.add_sweep(con, sid, lab.sweep.name, preset, lab.sections())
     done = results.finished_run_ids(con)
     todo = [t for t in trials if t.run_id not in done]
     by_id = {t.run_id: t for t in trials}
-    print(f"sweep {sid}: {len(trials)} runs planned, {len(trials) - len(todo)} already in {db}, {len(todo)} to run")
-    study = _queue(db, sid, todo, list(by_id))
+    print(
+        f"sweep {sid}: {len(trials)} runs planned, {len(trials) - len(todo)} already in {paths.db}, {len(todo)} to run"
+    )
+    study = _queue(paths.journal, sid, todo, list(by_id))
     counter = {"i": 0}
 
     def objective(trial: optuna.Trial) -> float:
@@ -152,10 +152,9 @@ def _run(lab: LabConfig, db: Path, con, sid: str, preset: str, trials: list[Tria
 
     from analysis.pipeline import run_all
 
-    out_dir = db.parent / f"{db.stem}_report" / sid
-    paths = run_all(con, sid, out_dir, n_boot=lab.sweep.bootstrap)
-    print(f"results: {db}")
-    for name, p in paths.items():
+    written = run_all(con, sid, paths.reports / sid, n_boot=lab.sweep.bootstrap)
+    print(f"results: {paths.db}")
+    for name, p in written.items():
         print(f"{name}: {p}")
     return 0
 

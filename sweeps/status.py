@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from mixdepth import results
+from sweeps.paths import SweepPaths
 
 
-def _queue_counts(db: Path) -> dict[str, tuple[int, int]]:
-    """sweep_id -> (planned runs, failed attempts) from the Optuna journal beside the database."""
-    journal = Path(str(db) + ".optuna.log")
+def _queue_counts(journal: Path) -> dict[str, tuple[int, int]]:
+    """sweep_id -> (planned runs, failed attempts) from the Optuna journal."""
     if not journal.exists():
         return {}
     import optuna
@@ -24,9 +24,9 @@ def _queue_counts(db: Path) -> dict[str, tuple[int, int]]:
     return out
 
 
-def status_table(db: Path) -> str:
-    """A fixed-width table of the database's sweeps."""
-    con = results.connect(db, read_only=True)
+def status_table(paths: SweepPaths) -> str:
+    """A fixed-width table of the database's sweeps, with planned runs and failed attempts from the journal."""
+    con = results.connect(paths.db, read_only=True)
     try:
         rows = con.execute(
             "SELECT s.sweep_id, s.preset, strftime(s.created_at, '%Y-%m-%d %H:%M'),"
@@ -35,7 +35,7 @@ def status_table(db: Path) -> str:
         ).fetchall()
     finally:
         con.close()
-    queue = _queue_counts(db)
+    queue = _queue_counts(paths.journal)
     head = ("sweep", "preset", "created", "planned", "ok", "diverged", "failed attempts", "best val_loss")
     body = []
     for sid, preset, created, ok, diverged, best in rows:
@@ -54,4 +54,4 @@ def status_table(db: Path) -> str:
         )
     widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return "\n".join([fmt.format(*head)] + [fmt.format(*r) for r in body]) if body else "no sweeps in " + str(db)
+    return "\n".join([fmt.format(*head)] + [fmt.format(*r) for r in body]) if body else "no sweeps in " + str(paths.db)

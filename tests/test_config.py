@@ -23,7 +23,7 @@ def test_overrides_apply_to_sections_and_model_families():
         CONF, "isoflop", ["train.lr=1e-3", "sweep.budgets=[2e11,4e11]", "model.qk_norm=true", "data.seq_len=64"]
     )
     assert lab.train.lr == 1e-3 and lab.sweep.budgets == [2e11, 4e11]
-    m = model_config(lab, "dense", Shape(64, 2, 4, 2), CONF)
+    m = model_config(lab, "dense", Shape(64, 2, 4, 2))
     assert m.qk_norm and m.seq_len == 64 and m.n_kv_heads == 2 and m.vocab_size == 256
 
 
@@ -41,6 +41,7 @@ def test_overrides_apply_to_sections_and_model_families():
         ("sweep.archs=[nope]", "nope"),
         ("model.norm=side", "model.norm"),
         ("model.seq_len=64", "data.seq_len"),
+        ("model.arch=mod", "sweep.archs"),
         ("novalue", "key=value"),
     ],
 )
@@ -62,7 +63,7 @@ def test_budget_arithmetic_uses_three_times_forward():
 
 def test_named_variants_layer_over_their_family():
     lab = load_config(CONF, "isoflop", ["sweep.archs=[mode,mode_integrated,mod_random]", "model.n_experts=2"])
-    staged, integrated, rand = (model_config(lab, a, Shape(32, 2, 2), CONF) for a in lab.sweep.archs)
+    staged, integrated, rand = (model_config(lab, a, Shape(32, 2, 2)) for a in lab.sweep.archs)
     assert (staged.arch, staged.variant) == ("mode", "staged")
     assert (integrated.arch, integrated.variant, integrated.n_experts) == ("mode", "integrated", 2)
     assert (rand.arch, rand.routing, rand.capacity) == ("mod", "random", 0.125)
@@ -76,9 +77,23 @@ def test_shapes_where_a_family_is_the_dense_model_are_left_out():
     lab = load_config(CONF, "isoflop", ["sweep.archs=[dense,mod,moda]"])
     ladder = [Shape(16, 1, 2), Shape(32, 2, 2)]
     lab = dataclasses.replace(lab, sweep=dataclasses.replace(lab.sweep, ladder=ladder, budgets=[1e11]))
-    trials, notes = plan(lab, CONF, "sid")
+    trials, notes = plan(lab, "sid")
     assert sorted((t.arch, t.shape.n_layers) for t in trials) == [("dense", 1), ("dense", 2), ("mod", 2), ("moda", 2)]
     assert sum("the dense model; left out" in n for n in notes) == 2
     lab = dataclasses.replace(lab, sweep=dataclasses.replace(lab.sweep, ladder=ladder[:1]))
     with pytest.raises(ConfigError, match="no sweep.ladder shape suits mod"):
-        plan(lab, CONF, "sid")
+        plan(lab, "sid")
+
+
+def test_bench_set_options_are_typed_like_overrides():
+    from mixdepth.bench import step_options
+
+    sets = ["mod.qk_norm=false", "mod.capacity=0.25", "mod.gate=sigmoid", "mod.route_every=3", "dense.qk_norm=true"]
+    got = step_options("mod", sets)
+    assert got == {"qk_norm": False, "capacity": 0.25, "gate": "sigmoid", "route_every": 3}
+    assert got["qk_norm"] is False and step_options("dense", sets)["qk_norm"] is True
+    assert type(step_options("mod", ["mod.capacity=1"])["capacity"]) is float
+    with pytest.raises(ConfigError, match="model.capacity"):
+        step_options("mod", ["mod.capacity=abc"])
+    with pytest.raises(ConfigError, match="unknown config key 'model.capacityy'"):
+        step_options("mod", ["mod.capacityy=0.5"])

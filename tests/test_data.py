@@ -13,15 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from mixdepth.data import (
-    DataConfig,
-    DataError,
-    ShardedBatchSampler,
-    TokenWindows,
-    as_batch,
-    cache_root,
-    load_corpus,
-)
+from mixdepth.config import DataConfig, DataError
+from mixdepth.data import ShardedBatchSampler, TokenWindows, as_batch, cache_root, load_corpus
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 SMALL = DataConfig(max_bytes=200_000, val_tokens=1024, seq_len=32)
@@ -70,7 +63,8 @@ def test_stdlib_corpus_is_deterministic_and_split_by_file(cache: Path, tmp_path:
     assert warm.fingerprint == c.fingerprint
     assert torch.equal(warm.train, c.train) and torch.equal(warm.val, c.val)
     code = (
-        f"import sys; sys.path.insert(0, {str(SRC)!r}); from mixdepth.data import DataConfig, load_corpus; "
+        f"import sys; sys.path.insert(0, {str(SRC)!r}); from mixdepth.config import DataConfig; "
+        f"from mixdepth.data import load_corpus; "
         f"print(load_corpus(DataConfig(max_bytes=200_000, val_tokens=1024, seq_len=32)).fingerprint)"
     )
     env = {**os.environ, "MIXDEPTH_CACHE": str(tmp_path / "other_cache")}  # cold build in another process
@@ -220,7 +214,7 @@ def test_windows_are_seeded_per_sample_and_cover_val() -> None:
 
 
 def test_datamodule_batches() -> None:
-    from mixdepth.data import LMDataModule
+    from mixdepth.lit import LMDataModule
 
     def batches(seed: int, n: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
         dm = LMDataModule(SMALL, batch_size=4, seed=seed)

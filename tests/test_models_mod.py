@@ -308,12 +308,12 @@ def test_registry_and_sweep_plan_for_mod():
 
     assert MODELS["mod"] == (MoDConfig, MoDLM)
     lab = load_config(CONF, "isoflop", ["sweep.archs=[dense,mod]", "model.capacity=0.25"])
-    m = model_config(lab, "mod", Shape(32, 2, 2), CONF)
+    m = model_config(lab, "mod", Shape(32, 2, 2))
     assert isinstance(m, MoDConfig) and m.capacity == 0.25 and m.route_every == 2 and m.gate == "identity"
-    assert not hasattr(model_config(lab, "dense", Shape(32, 2, 2), CONF), "capacity")
+    assert not hasattr(model_config(lab, "dense", Shape(32, 2, 2)), "capacity")
     from sweeps.plan import plan
 
-    trials, _ = plan(lab, CONF, "test")
+    trials, _ = plan(lab, "test")
     archs = {t.arch for t in trials}
     assert archs == {"dense", "mod"}
     for t in trials:

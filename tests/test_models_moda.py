@@ -383,15 +383,15 @@ def test_sweep_plan_includes_moda():
 
     over = ["sweep.archs=[dense,moda]", "model.depth_kv=attn", "sweep.ladder=[{d_model: 32, n_layers: 2, n_heads: 2}]"]
     lab = load_config(CONF, "isoflop", over)
-    cfg = model_config(lab, "moda", lab.sweep.ladder[0], CONF)
+    cfg = model_config(lab, "moda", lab.sweep.ladder[0])
     assert isinstance(cfg, MoDAConfig) and cfg.depth_kv == "attn" and cfg.depth_window == 0
-    dense = model_config(lab, "dense", lab.sweep.ladder[0], CONF)
+    dense = model_config(lab, "dense", lab.sweep.ladder[0])
     assert cfg.flops_per_token() > dense.flops_per_token()
-    trials, _ = plan(lab, CONF, "t")
+    trials, _ = plan(lab, "t")
     moda = [t for t in trials if t.arch == "moda"]
     assert moda and all(t.flops_per_token == cfg.flops_per_token() for t in moda)
     lab = load_config(CONF, "isoflop", ["sweep.archs=[dense,moda]", "model.depth_kv=attn"])  # the CPU preset
-    assert model_config(lab, "moda", lab.sweep.ladder[0], CONF).arch == "moda"
+    assert model_config(lab, "moda", lab.sweep.ladder[0]).arch == "moda"
 
 
 @pytest.mark.parametrize(

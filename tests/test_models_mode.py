@@ -309,9 +309,9 @@ def test_registry_and_sweep_plan_for_mode():
     assert MODELS["mode"] == (MoDEConfig, MoDELM)
     for variant in ("staged", "integrated"):
         lab = load_config(CONF, "isoflop", ["sweep.archs=[dense,mode]", f"model.variant={variant}"])
-        m = model_config(lab, "mode", Shape(32, 2, 2), CONF)
+        m = model_config(lab, "mode", Shape(32, 2, 2))
         assert isinstance(m, MoDEConfig) and m.variant == variant and m.n_experts == 4
-        trials, _ = plan(lab, CONF, "test")
+        trials, _ = plan(lab, "test")
         assert {t.arch for t in trials} == {"dense", "mode"}
         for t in trials:
             assert t.flops_per_token == t.model.flops_per_token() and t.params == t.model.n_params()

@@ -100,7 +100,7 @@ def test_display_settings_do_not_change_the_sweep():
     assert sweep_id(a, "isoflop") == sweep_id(b, "isoflop")
     c = load_config(conf, "isoflop", ["train.lr=1e-3"])
     assert sweep_id(c, "isoflop") != sweep_id(a, "isoflop")
-    ids = [t.run_id for t in plan(a, conf, sweep_id(a, "isoflop"))[0]]
+    ids = [t.run_id for t in plan(a, sweep_id(a, "isoflop"))[0]]
     assert len(set(ids)) == len(ids)
 
 

@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
-from mixdepth.config import TrainConfig
-from mixdepth.data import DataConfig, LMDataModule
-from mixdepth.lit import LitLM
+from mixdepth.config import ConfigError, DataConfig, TrainConfig, model_options
+from mixdepth.flops import train_flops
+from mixdepth.lit import LitLM, LMDataModule
 from mixdepth.models.dense import DenseConfig, DenseLM
 from mixdepth.train import RunConfig, _quiet, fit, make_trainer, resolve_device
 
@@ -29,7 +31,9 @@ def _setup(model_cfg: DenseConfig, data: DataConfig, train: TrainConfig, steps: 
     dm = LMDataModule(data, batch_size=train.batch_size, seed=train.seed)
     dm.setup("fit")
     model = DenseLM(model_cfg)
-    lit = LitLM(model, train, steps, flops_per_batch=3 * model_cfg.flops_per_token() * train.batch_size * data.seq_len)
+    lit = LitLM(
+        model, train, steps, flops_per_batch=train_flops(model_cfg.flops_per_token(), train.batch_size * data.seq_len)
+    )
     return dm, lit
 
 
@@ -95,7 +99,7 @@ def bench_mfu(args) -> None:
         train = TrainConfig(
             batch_size=args.batch_size, compile=not args.no_compile, progress=False, log_every=50, lr=6e-4
         )
-        res = fit(RunConfig(model, data, train, args.steps))
+        res = fit(RunConfig(model, data, train, args.steps)).metrics
     n = model.n_params()
     print(
         f"dense d{d} L{args.n_layers} H{H} T{T} vocab {vocab} tied: params {n['total']:,}"
@@ -138,6 +142,11 @@ def _gpu_busy_ms(step, n: int = 3) -> float:
     return busy / n / 1e3
 
 
+def step_options(arch: str, sets: list[str]) -> dict[str, Any]:
+    """The ``--set arch.key=value`` options of ``arch``, typed as config overrides are (``false`` is False)."""
+    return model_options(arch, [kv.split(".", 1)[1] for kv in sets if kv.startswith(f"{arch}.")])
+
+
 def bench_step(args) -> None:
     """Training-step time and peak memory of several archs at one shape, side by side (GPU, bf16)."""
     from torch._dynamo.utils import counters
@@ -146,10 +155,9 @@ def bench_step(args) -> None:
 
     dev = torch.device("cuda")
     T, d = args.seq_len, args.d_model
+    options = {arch: step_options(arch, args.set) for arch in args.archs.split(",")}  # bad input fails first
     rows = []
-    for arch in args.archs.split(","):
-        extra = dict(kv.split("=") for kv in args.set if kv.startswith(f"{arch}."))
-        extra = {k.split(".", 1)[1]: type(getattr(MODELS[arch][0], k.split(".", 1)[1]))(v) for k, v in extra.items()}
+    for arch, extra in options.items():
         cfg = MODELS[arch][0](
             arch=arch,
             d_model=d,
@@ -269,7 +277,11 @@ def main() -> None:
     sp.add_argument("--profile", type=int, default=0, help="print the N heaviest GPU kernels per arch")
     sp.add_argument("--set", nargs="*", default=[], help="arch.key=value model options, e.g. mod.capacity=0.125")
     args = p.parse_args()
-    {"loop": bench_loop, "mfu": bench_mfu, "step": bench_step}[args.cmd](args)
+    try:
+        {"loop": bench_loop, "mfu": bench_mfu, "step": bench_step}[args.cmd](args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

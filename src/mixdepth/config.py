@@ -1,11 +1,14 @@
-"""Typed, frozen configuration merged from conf/ YAML and ``key=value`` overrides with omegaconf.
+"""Typed, frozen configuration, resolved once from conf/ YAML and ``key=value`` overrides with omegaconf.
 
 Layers, last wins: conf/base.yaml, conf/sweep/<preset>.yaml, command-line overrides. The ``model`` section
-holds keys of the family configs (models/<arch>.py); each arch in ``sweep.archs`` gets its own family
-defaults (conf/model/<arch>.yaml) with the shared ``model`` keys that it knows, then the ladder shape.
-An arch name may also be a named variant: conf/model/<name>.yaml with ``family: <arch>`` layers its keys over
-that family's YAML (e.g. mode_integrated, mod_random), so one sweep can hold several variants of a family.
-Unknown keys and wrong types raise ConfigError with one line naming the key.
+holds keys of the family configs (models/<family>.py) shared by the swept archs. ``load_config`` resolves
+every entry of ``sweep.archs`` once into an ``ArchConfig``: its family defaults (conf/model/<family>.yaml)
+with the shared ``model`` keys that the family knows. An arch name may also be a named variant:
+conf/model/<name>.yaml with ``family: <family>`` layers its keys over that family's YAML (e.g.
+mode_integrated, mod_random), so one sweep can hold several variants of a family. ``model_config`` adds a
+ladder shape, ``data.seq_len`` and the tokenizer's vocabulary to give the family config of one grid point;
+nothing after ``load_config`` reads YAML. Unknown keys and wrong types raise ConfigError with one line
+naming the key.
 """
 
 from __future__ import annotations
@@ -18,12 +21,45 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from mixdepth.data import DataConfig
 from mixdepth.models import MODELS
+
+# Family-config fields that sweep.archs, the ladder, the data and the tokenizer set, never model.* or the YAML.
+FIXED_KEYS = ("arch", "d_model", "n_layers", "n_heads", "n_kv_heads", "seq_len", "vocab_size")
 
 
 class ConfigError(ValueError):
     """A bad configuration key or value, reported in one line."""
+
+
+class DataError(ValueError):
+    """A corpus cannot be used as configured; the one-line message names the key or path to change."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where tokens come from and how they are split (plain types only: built from YAML).
+
+    Attributes:
+        corpus: ``"stdlib"``, a text file, a folder, a glob, or a ``.bin`` token memmap.
+        tokenizer: ``"bytes"`` (vocab 256) or ``"bpe"`` (trained locally on the train split).
+        bpe_vocab_size: BPE target vocabulary (> 256).
+        bin_dtype: dtype of ``.bin`` ids: ``uint16`` or ``uint32``.
+        bin_vocab_size: vocabulary of a ``.bin`` corpus (required > 0 for ``.bin``).
+        max_bytes: cap on text read, a deterministic prefix in file order (0 = no cap).
+        val_fraction: share of files (or of the tail of a single file / ``.bin``) held out.
+        val_tokens: size of the fixed validation set, taken from the start of the held-out part (0 = all).
+        seq_len: tokens per training window (inputs); windows hold ``seq_len + 1`` tokens.
+    """
+
+    corpus: str = "stdlib"
+    tokenizer: str = "bytes"
+    bpe_vocab_size: int = 1024
+    bin_dtype: str = "uint16"
+    bin_vocab_size: int = 0
+    max_bytes: int = 4_000_000
+    val_fraction: float = 0.1
+    val_tokens: int = 65_536
+    seq_len: int = 128
 
 
 @dataclass(frozen=True)
@@ -66,11 +102,42 @@ class SweepConfig:
 
 
 @dataclass(frozen=True)
-class LabConfig:
+class ArchConfig:
+    """One ``sweep.archs`` entry, resolved by ``load_config``.
+
+    Attributes:
+        name: the entry (e.g. ``mode_integrated``); runs are stored under it.
+        family: its key in ``MODELS`` (e.g. ``mode``): the entry itself, or the ``family:`` of a variant YAML.
+        keys: every field of the family config but ``FIXED_KEYS``, typed: the dataclass defaults, then the
+            family YAML, the variant's YAML and the shared ``model.*`` keys the family knows.
+    """
+
+    name: str
+    family: str
+    keys: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Sections:
+    """The sections that conf/ YAML and overrides set (the omegaconf schema)."""
+
     sweep: SweepConfig = field(default_factory=SweepConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     model: dict[str, Any] = field(default_factory=dict)  # family keys, checked against sweep.archs
+
+
+@dataclass(frozen=True)
+class LabConfig(Sections):
+    """The merged sections and each ``sweep.archs`` entry resolved (derived: not part of any identity)."""
+
+    archs: dict[str, ArchConfig] = field(default_factory=dict)
+
+    def sections(self) -> dict[str, Any]:
+        """The merged sections as plain data, without the derived ``archs`` (what sweep ids hash, sweeps store)."""
+        d = dataclasses.asdict(self)
+        del d["archs"]
+        return d
 
 
 def _one_line(e: OmegaConfBaseException) -> str:
@@ -101,25 +168,39 @@ def _dotlist(overrides: list[str]):
 
 
 def load_config(conf_dir: Path, preset: str = "isoflop", overrides: list[str] = ()) -> LabConfig:
-    """Merge base.yaml, sweep/<preset>.yaml and overrides into a validated LabConfig."""
+    """Merge base.yaml, sweep/<preset>.yaml and overrides into a validated LabConfig with every arch resolved.
+
+    Args:
+        conf_dir: the config folder (base.yaml, sweep/, model/); read here and nowhere else.
+        preset: ``conf_dir/sweep/<preset>.yaml``.
+        overrides: ``key=value`` strings, applied last.
+
+    Raises:
+        ConfigError: one line naming the bad key, value, preset or file.
+    """
     preset_path = conf_dir / "sweep" / f"{preset}.yaml"
     if not preset_path.exists():
         names = sorted(p.stem for p in (conf_dir / "sweep").glob("*.yaml"))
         raise ConfigError(f"unknown preset {preset!r}; available: {', '.join(names)}")
     try:
         merged = OmegaConf.merge(
-            OmegaConf.structured(LabConfig), _yaml(conf_dir / "base.yaml"), _yaml(preset_path), _dotlist(overrides)
+            OmegaConf.structured(Sections), _yaml(conf_dir / "base.yaml"), _yaml(preset_path), _dotlist(overrides)
         )
-        lab: LabConfig = OmegaConf.to_object(merged)
+        sections: Sections = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise ConfigError(_one_line(e)) from None
-    _validate(lab, conf_dir)
-    return lab
+    lab = LabConfig(**{f.name: getattr(sections, f.name) for f in dataclasses.fields(Sections)})
+    layers = {arch: _family_layers(conf_dir, arch) for arch in lab.sweep.archs}
+    _validate(lab, [family for family, _ in layers.values()])
+    archs = {}
+    for arch in lab.sweep.archs:
+        archs[arch] = _resolve(lab, arch, *layers[arch])
+        _build(archs[arch], lab.sweep.ladder[0], lab.data)  # bad values fail now, before any training
+    return dataclasses.replace(lab, archs=archs)
 
 
-def _validate(lab: LabConfig, conf_dir: Path) -> None:
+def _validate(lab: LabConfig, families: list[str]) -> None:
     s = lab.sweep
-    families = [family_of(arch, conf_dir)[0] for arch in s.archs]
     if len(set(s.archs)) != len(s.archs):
         raise ConfigError(f"sweep.archs lists an arch twice: {list(s.archs)}")
     if not s.budgets:
@@ -140,11 +221,9 @@ def _validate(lab: LabConfig, conf_dir: Path) -> None:
     for key in lab.model:
         if key not in known:
             raise ConfigError(f"unknown config key 'model.{key}' for archs {', '.join(s.archs)}")
-        if key in ("arch", "seq_len", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads"):
-            where = "data.seq_len" if key == "seq_len" else "the tokenizer" if key == "vocab_size" else "sweep.ladder"
-            raise ConfigError(f"config key 'model.{key}' is set by {where}, not by model.*")
-    for arch in s.archs:  # build one model config per arch now so bad values fail before any training
-        model_config(lab, arch, s.ladder[0], conf_dir)
+        if key in FIXED_KEYS:
+            where = {"arch": "sweep.archs", "seq_len": "data.seq_len", "vocab_size": "the tokenizer"}.get(key)
+            raise ConfigError(f"config key 'model.{key}' is set by {where or 'sweep.ladder'}, not by model.*")
 
 
 def vocab_size(data: DataConfig) -> int:
@@ -156,7 +235,7 @@ def vocab_size(data: DataConfig) -> int:
     return 256
 
 
-def family_of(arch: str, conf_dir: Path) -> tuple[str, list]:
+def _family_layers(conf_dir: Path, arch: str) -> tuple[str, list]:
     """The model family of a ``sweep.archs`` entry and its YAML layers (family file, then the variant's)."""
     path = conf_dir / "model" / f"{arch}.yaml"
     spec = _yaml(path) if path.exists() else OmegaConf.create()
@@ -170,31 +249,57 @@ def family_of(arch: str, conf_dir: Path) -> tuple[str, list]:
     return family, [_yaml(base) if base.exists() else OmegaConf.create(), spec]
 
 
-def model_config(lab: LabConfig, arch: str, shape: Shape, conf_dir: Path):
-    """The family config of ``arch`` at ``shape``: family YAML (and variant YAML), shared model keys, shape."""
-    family, yamls = family_of(arch, conf_dir)
-    cls = MODELS[family][0]
-    names = {f.name for f in dataclasses.fields(cls)}
-    layers = [OmegaConf.structured(cls), *yamls]
-    layers.append(OmegaConf.create({k: v for k, v in lab.model.items() if k in names}))
+def _typed_keys(family: str, *layers) -> dict[str, Any]:
+    """The family config's fields after merging ``layers`` over its defaults, converted to the field types."""
+    try:
+        return OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(MODELS[family][0]), *layers))
+    except OmegaConfBaseException as e:
+        raise ConfigError(_one_line(e).replace("config key '", "config key 'model.")) from None
+
+
+def _resolve(lab: LabConfig, arch: str, family: str, yamls: list) -> ArchConfig:
+    """The typed family keys of ``arch``: dataclass defaults, family (and variant) YAML, shared model keys."""
+    names = {f.name for f in dataclasses.fields(MODELS[family][0])}
+    shared = OmegaConf.create({k: v for k, v in lab.model.items() if k in names})
+    keys = _typed_keys(family, *yamls, shared)
+    return ArchConfig(arch, family, {k: v for k, v in keys.items() if k not in FIXED_KEYS})
+
+
+def model_config(lab: LabConfig, arch: str, shape: Shape):
+    """The family config of ``arch`` at ``shape``: its resolved keys, the shape, ``data.seq_len``, the vocab.
+
+    Raises:
+        ConfigError: ``arch`` is not a resolved ``sweep.archs`` entry, or the family rejects the shape.
+    """
+    if arch not in lab.archs:
+        raise ConfigError(f"arch {arch!r} is not one of the archs load_config resolved: {', '.join(lab.archs)}")
+    return _build(lab.archs[arch], shape, lab.data)
+
+
+def _build(a: ArchConfig, shape: Shape, data: DataConfig):
     fixed = {
-        "arch": family,
+        "arch": a.family,
         "d_model": shape.d_model,
         "n_layers": shape.n_layers,
         "n_heads": shape.n_heads,
         "n_kv_heads": shape.n_kv_heads or shape.n_heads,
-        "seq_len": lab.data.seq_len,
-        "vocab_size": vocab_size(lab.data),
+        "seq_len": data.seq_len,
+        "vocab_size": vocab_size(data),
     }
-    layers.append(OmegaConf.create(fixed))
     try:
-        return OmegaConf.to_object(OmegaConf.merge(*layers))
-    except OmegaConfBaseException as e:
-        raise ConfigError(_one_line(e).replace("config key '", "config key 'model.")) from None
+        return MODELS[a.family][0](**a.keys, **fixed)
     except ValueError as e:  # the family's own shape checks
         raise ConfigError(str(e)) from None
 
 
-def to_dict(cfg: Any) -> dict:
-    """A plain JSON-able dict of a config dataclass."""
-    return dataclasses.asdict(cfg)
+def model_options(family: str, overrides: list[str]) -> dict[str, Any]:
+    """``key=value`` strings as typed values of the family config's fields (booleans, numbers, strings).
+
+    Raises:
+        ConfigError: a key the family lacks or a value of the wrong type, in one line.
+    """
+    if family not in MODELS:
+        raise ConfigError(f"unknown model family {family!r}; known: {', '.join(MODELS)}")
+    given = _dotlist(overrides)
+    keys = _typed_keys(family, given)
+    return {k: keys[k] for k in given}

@@ -1,18 +1,23 @@
-"""Thin LightningModule adapter: loss, torchmetrics, AdamW with warmup + cosine, analytic FLOPs per batch.
+"""The Lightning edge: ``LitLM`` (loss, torchmetrics, AdamW with warmup + cosine, analytic FLOPs per batch) and
+``LMDataModule`` (the corpus's token windows as batches).
 
-The model (models/*) knows nothing of Lightning; this file is the only place that does, with train.py.
+The model (models/*) and the data (data/*) know nothing of Lightning; this file and train.py are the only
+places that do.
 """
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import lightning as L
 import torch
 import torchmetrics
 from torch import nn
+from torch.utils.data import DataLoader
 
-from mixdepth.config import TrainConfig
+from mixdepth.config import DataConfig, DataError, TrainConfig
+from mixdepth.data import Corpus, ShardedBatchSampler, TokenWindows, as_batch, load_corpus
 
 
 def lr_lambda(step: int, total: int, warmup: int, min_ratio: float) -> float:
@@ -29,7 +34,7 @@ class LitLM(L.LightningModule):
     def __init__(self, model: nn.Module, train: TrainConfig, max_steps: int, flops_per_batch: float):
         super().__init__()
         self.model, self.cfg, self.max_steps = model, train, max_steps
-        self.flops_per_batch = flops_per_batch  # training FLOPs (3 x forward), read by ThroughputMonitor
+        self.flops_per_batch = flops_per_batch  # training FLOPs (flops.train_flops), read by ThroughputMonitor
         self.val_sums = torchmetrics.MetricCollection({})  # filled lazily: one SumMetric per statistic
         self.curve: list[dict] = []
         self.val_metrics: dict[str, float] = {}
@@ -88,3 +93,52 @@ class LitLM(L.LightningModule):
 
     def _fused(self) -> bool | None:
         return True if next(self.model.parameters()).is_cuda else None
+
+
+class LMDataModule(L.LightningDataModule):
+    """Language-model batches ``(x, y)``, int64 ``[B, T]`` with ``y`` = ``x`` shifted by one token.
+
+    Training draws random windows (see ``TokenWindows``), as many as the trainer's ``max_steps`` asks for;
+    set ``val_check_interval`` in steps, since an epoch is ~2**31 samples. Validation walks the fixed val
+    windows in order. Loading runs in the main process (``num_workers=0``): a batch is one numpy gather.
+    """
+
+    def __init__(
+        self,
+        cfg: DataConfig,
+        batch_size: int,
+        seed: int,
+        cache_dir: Path | str | None = None,
+    ) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise DataError(f"batch_size={batch_size} must be >= 1")
+        self.cfg = cfg
+        self.batch_size = batch_size
+        self.seed = seed
+        self.cache_dir = cache_dir
+        self._corpus: Corpus | None = None
+
+    @property
+    def corpus(self) -> Corpus:
+        """The loaded corpus (loads it on first access)."""
+        if self._corpus is None:
+            self._corpus = load_corpus(self.cfg, self.cache_dir)
+        return self._corpus
+
+    def setup(self, stage: str | None = None) -> None:
+        """Loads the corpus once; later calls are no-ops."""
+        _ = self.corpus
+
+    def train_dataloader(self) -> DataLoader:
+        """Endless-enough random windows; sharded by rank when a distributed trainer is attached."""
+        trainer = getattr(self, "trainer", None)
+        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        ds = TokenWindows(self.corpus.train, self.cfg.seq_len, seed=self.seed)
+        sampler = ShardedBatchSampler(len(ds), self.batch_size, rank, world)
+        return DataLoader(ds, batch_sampler=sampler, collate_fn=as_batch, num_workers=0)
+
+    def val_dataloader(self) -> DataLoader:
+        """The fixed validation windows, in order (the last batch may be smaller)."""
+        ds = TokenWindows(self.corpus.val, self.cfg.seq_len)
+        return DataLoader(ds, batch_size=self.batch_size, collate_fn=as_batch, num_workers=0)

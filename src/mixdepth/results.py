@@ -7,57 +7,109 @@ curve together), so an interrupted or failed write leaves no partial rows.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, get_args, get_type_hints
 
 import duckdb
 
 SCHEMA_VERSION = 1
 
-# Column name -> DuckDB type. Order is the table's column order.
-RUN_COLUMNS: dict[str, str] = {
-    "run_id": "VARCHAR PRIMARY KEY",
-    "sweep_id": "VARCHAR",
-    "arch": "VARCHAR",
-    "budget": "DOUBLE",  # target training FLOPs C of the isoFLOP grid point
-    "d_model": "INTEGER",
-    "n_layers": "INTEGER",
-    "n_heads": "INTEGER",
-    "n_kv_heads": "INTEGER",
-    "d_ff": "INTEGER",
-    "seq_len": "INTEGER",
-    "vocab_size": "INTEGER",
-    "params_total": "BIGINT",
-    "params_nonembed": "BIGINT",
-    "params_active": "BIGINT",  # parameters touched per token (experts at their routing)
-    "flops_per_token": "DOUBLE",  # exact forward FLOPs per token (DESIGN section 5)
-    "flops_6nd": "DOUBLE",  # 6 * params_nonembed * tokens, for comparison only
-    "train_flops": "DOUBLE",  # 3 * flops_per_token * tokens actually trained
-    "tokens": "BIGINT",
-    "steps": "INTEGER",
-    "batch_size": "INTEGER",
-    "lr": "DOUBLE",
-    "seed": "INTEGER",
-    "status": "VARCHAR",  # ok | diverged
-    "val_loss": "DOUBLE",  # held-out mean token loss (nats)
-    "val_loss_causal": "DOUBLE",  # routed archs: loss under causal routing; NULL otherwise
-    "train_loss": "DOUBLE",  # mean loss over the last logged steps
-    "wall_s": "DOUBLE",
-    "tokens_per_s": "DOUBLE",
-    "mfu": "DOUBLE",  # model FLOPs utilisation against peak_flops; NULL when no peak is known
-    "peak_flops": "DOUBLE",  # the peak FLOP/s MFU assumed
-    "device": "VARCHAR",
-    "precision": "VARCHAR",
-    "versions": "JSON",
-    "corpus": "VARCHAR",
-    "corpus_fingerprint": "VARCHAR",
-    "routing_stats": "JSON",  # routed archs: capacity, predictor accuracy/precision/recall, expert load
-    "config": "JSON",
-    "created_at": "TIMESTAMP",
-}
+# Column types: each record field's annotation names its DuckDB type (NULL allowed where it says `| None`).
+Key = Annotated[str, "VARCHAR PRIMARY KEY"]
+Varchar = Annotated[str, "VARCHAR"]
+Integer = Annotated[int, "INTEGER"]
+BigInt = Annotated[int, "BIGINT"]
+Double = Annotated[float, "DOUBLE"]
+Json = Annotated[Any, "JSON"]  # dicts and lists, stored as sorted-key JSON text
+
+
+@dataclass(frozen=True)
+class RunMetrics:
+    """What one training run measured (``train.fit`` returns it); stored in ``runs`` in this field order."""
+
+    status: Varchar  # ok | diverged
+    val_loss: Double  # held-out mean token loss (nats)
+    val_loss_causal: Double | None  # routed archs: loss under causal routing; NULL otherwise
+    train_loss: Double  # mean loss over the last logged steps
+    wall_s: Double
+    tokens_per_s: Double
+    mfu: Double | None  # model FLOPs utilisation against peak_flops; NULL when no peak is known
+    peak_flops: Double | None  # the peak FLOP/s MFU assumed
+    device: Varchar
+    precision: Varchar
+    versions: Json
+    corpus: Varchar
+    corpus_fingerprint: Varchar
+    routing_stats: Json | None  # routed archs: capacity, predictor accuracy/precision/recall, expert load
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """One row of ``runs``: the planned run and, in place of ``metrics``, what training measured.
+
+    Field order is the table's column order; ``RUN_COLUMNS`` is derived from it (plus ``created_at``, which
+    the store stamps).
+    """
+
+    run_id: Key
+    sweep_id: Varchar
+    arch: Varchar
+    budget: Double  # target training FLOPs C of the isoFLOP grid point
+    d_model: Integer
+    n_layers: Integer
+    n_heads: Integer
+    n_kv_heads: Integer
+    d_ff: Integer
+    seq_len: Integer
+    vocab_size: Integer
+    params_total: BigInt
+    params_nonembed: BigInt
+    params_active: BigInt  # parameters touched per token (experts at their routing)
+    flops_per_token: Double  # exact forward FLOPs per token (DESIGN section 5)
+    flops_6nd: Double  # 6 * params_nonembed * tokens, for comparison only
+    train_flops: Double  # flops.train_flops(flops_per_token, tokens): the FLOPs trained
+    tokens: BigInt
+    steps: Integer
+    batch_size: Integer
+    lr: Double
+    seed: Integer
+    metrics: RunMetrics  # columns status .. routing_stats
+    config: Json
+
+    def row(self) -> dict[str, Any]:
+        """Column name -> value, in column order (``metrics`` flattened in place)."""
+        return _flatten(self)
+
+
+def _flatten(record: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(record):
+        value = getattr(record, f.name)
+        out.update(_flatten(value) if dataclasses.is_dataclass(value) else {f.name: value})
+    return out
+
+
+def _columns(cls: type) -> dict[str, str]:
+    """Column name -> DuckDB type of a record class, nested records flattened in place."""
+    hints = get_type_hints(cls, include_extras=True)
+    out: dict[str, str] = {}
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            out.update(_columns(hint))
+            continue
+        annotated = next(a for a in (hint, *get_args(hint)) if hasattr(a, "__metadata__"))  # X or X | None
+        out[f.name] = annotated.__metadata__[0]
+    return out
+
+
+# Column name -> DuckDB type, in the table's column order: the record's fields, then the store's timestamp.
+RUN_COLUMNS: dict[str, str] = {**_columns(RunRecord), "created_at": "TIMESTAMP"}
 
 DDL = f"""
 CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR);
@@ -140,9 +192,18 @@ def finished_run_ids(con: duckdb.DuckDBPyConnection) -> set[str]:
     return {r[0] for r in con.execute("SELECT run_id FROM runs WHERE status IS NOT NULL").fetchall()}
 
 
-def add_run(con: duckdb.DuckDBPyConnection, row: Mapping[str, Any], curve: Iterable[Mapping[str, Any]]) -> None:
-    """Insert one run and its curve atomically. ``row`` keys must be RUN_COLUMNS (created_at optional)."""
-    unknown = set(row) - set(RUN_COLUMNS)
+def add_run(
+    con: duckdb.DuckDBPyConnection, run: RunRecord | Mapping[str, Any], curve: Iterable[Mapping[str, Any]]
+) -> None:
+    """Insert one run and its curve atomically, replacing any earlier row and curve of its run_id.
+
+    Args:
+        con: a writable connection.
+        run: the record, or a mapping of some RUN_COLUMNS (others NULL; synthetic sweeps and tests).
+        curve: points with step, tokens, flops, train_loss and lr.
+    """
+    row = run.row() if isinstance(run, RunRecord) else dict(run)
+    unknown = set(row) - set(RUN_COLUMNS) | ({"created_at"} & set(row))  # the store stamps created_at
     if unknown:
         raise StoreError(f"unknown run columns: {sorted(unknown)}")
     cols = [c for c in RUN_COLUMNS if c in row]

@@ -1,4 +1,7 @@
-"""``fit(run) -> RunResult``: one training run with Lightning. No database, no Optuna."""
+"""``fit(run) -> RunResult``: one training run with Lightning, measured into the store's ``RunMetrics``.
+
+No database connection and no Optuna here: the caller (sweeps/runner.py) stores what ``fit`` returns.
+"""
 
 from __future__ import annotations
 
@@ -16,10 +19,11 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ThroughputMonitor
 
-from mixdepth.config import TrainConfig
-from mixdepth.data import DataConfig, LMDataModule
-from mixdepth.lit import LitLM
+from mixdepth.config import DataConfig, TrainConfig
+from mixdepth.flops import train_flops
+from mixdepth.lit import LitLM, LMDataModule
 from mixdepth.models import MODELS
+from mixdepth.results import RunMetrics
 
 # Dense bf16 peak FLOP/s of chips Lightning does not name correctly ("NVIDIA H200" is not in its table).
 PEAK_FLOPS = {"H200": 989.5e12, "H100": 989.5e12}
@@ -35,24 +39,8 @@ class RunConfig:
 
 @dataclass(frozen=True)
 class RunResult:
-    status: str  # ok | diverged
-    val_loss: float
-    val_loss_causal: float | None  # routed families: held-out loss under causal routing
-    routing_stats: dict[str, float]  # routed families: capacity, predictor accuracy/precision/recall, ...
-    train_loss: float
-    steps: int
-    tokens: int
-    train_flops: float  # 3 x forward FLOPs per token x tokens
-    wall_s: float
-    tokens_per_s: float
-    mfu: float | None
-    peak_flops: float | None
-    device: str
-    precision: str
-    corpus: str
-    corpus_fingerprint: str
-    versions: dict[str, str]
-    curve: list[dict] = field(default_factory=list)
+    metrics: RunMetrics  # what the store keeps of the run (one row of ``runs`` with the plan)
+    curve: list[dict] = field(default_factory=list)  # step, tokens, flops, train_loss, lr every log_every steps
 
 
 class PeakThroughputMonitor(ThroughputMonitor):
@@ -160,7 +148,7 @@ def fit(run: RunConfig, cache_dir: Path | None = None) -> RunResult:
         model.compile()
     tokens_per_batch = t.batch_size * run.data.seq_len
     fpt = run.model.flops_per_token()
-    lit = LitLM(model, t, run.steps, flops_per_batch=3 * fpt * tokens_per_batch)
+    lit = LitLM(model, t, run.steps, flops_per_batch=train_flops(fpt, tokens_per_batch))
     peak = peak_flops(t, accelerator, precision)
     monitor = PeakThroughputMonitor(peak, window_size=max(2, min(100, run.steps // 2)))
     trainer = make_trainer(t, run.steps, accelerator, precision, [monitor])
@@ -173,27 +161,24 @@ def fit(run: RunConfig, cache_dir: Path | None = None) -> RunResult:
     tp = monitor.summary()
     tokens = run.steps * tokens_per_batch
     tail = [p["train_loss"] for p in lit.curve[-max(1, len(lit.curve) // 10) :]]
-    metrics = dict(lit.val_metrics)
-    val = metrics.pop("val_loss", float("nan"))
-    causal = metrics.pop("val_loss_causal", None)
+    stats = dict(lit.val_metrics)  # what is left after the two losses: routing statistics
+    val = stats.pop("val_loss", float("nan"))
+    causal = stats.pop("val_loss_causal", None)
     tps = tp.get("device/items_per_sec", tokens / wall)
-    return RunResult(
+    metrics = RunMetrics(
         status="ok" if math.isfinite(val) else "diverged",
         val_loss=val,
         val_loss_causal=causal,
-        routing_stats=metrics,
         train_loss=sum(tail) / len(tail),
-        steps=run.steps,
-        tokens=tokens,
-        train_flops=3 * fpt * tokens,
         wall_s=wall,
         tokens_per_s=tps,
         mfu=tp.get("device/mfu"),
         peak_flops=peak,
         device=device_name(accelerator),
         precision=precision,
+        versions=versions(),
         corpus=corpus.name,
         corpus_fingerprint=corpus.fingerprint,
-        versions=versions(),
-        curve=lit.curve,
+        routing_stats=stats or None,
     )
+    return RunResult(metrics, lit.curve)

@@ -1,0 +1,13 @@
+"""Where a sweep keeps its state. Only the CLI (sweeps/__main__.py) decides these paths; the rest takes them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class SweepPaths:
+    db: Path  # the DuckDB store: the record of every run (one writing process at a time)
+    journal: Path  # the Optuna journal: the work queue and the resume state
+    reports: Path  # report folders, one per sweep id

@@ -1,0 +1,116 @@
+"""The store's run record: the runs table is RunRecord (columns, order, types), rows round-trip, writes are atomic."""
+
+import dataclasses
+import json
+
+import pytest
+
+from mixdepth import results
+
+# The runs table of SCHEMA_VERSION 1 as existing databases hold it: (column, DuckDB type, key).
+SCHEMA_V1 = [
+    ("run_id", "VARCHAR", "PRI"),
+    *((c, "VARCHAR", None) for c in ("sweep_id", "arch")),
+    ("budget", "DOUBLE", None),
+    *((c, "INTEGER", None) for c in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "seq_len", "vocab_size")),
+    *((c, "BIGINT", None) for c in ("params_total", "params_nonembed", "params_active")),
+    *((c, "DOUBLE", None) for c in ("flops_per_token", "flops_6nd", "train_flops")),
+    ("tokens", "BIGINT", None),
+    ("steps", "INTEGER", None),
+    ("batch_size", "INTEGER", None),
+    ("lr", "DOUBLE", None),
+    ("seed", "INTEGER", None),
+    ("status", "VARCHAR", None),
+    *((c, "DOUBLE", None) for c in ("val_loss", "val_loss_causal", "train_loss", "wall_s", "tokens_per_s", "mfu")),
+    ("peak_flops", "DOUBLE", None),
+    *((c, "VARCHAR", None) for c in ("device", "precision")),
+    ("versions", "JSON", None),
+    *((c, "VARCHAR", None) for c in ("corpus", "corpus_fingerprint")),
+    *((c, "JSON", None) for c in ("routing_stats", "config")),
+    ("created_at", "TIMESTAMP", None),
+]
+
+
+def record(run_id: str = "r1", **metrics) -> results.RunRecord:
+    m = results.RunMetrics(
+        status="ok",
+        val_loss=2.5,
+        val_loss_causal=2.75,
+        train_loss=2.4,
+        wall_s=1.5,
+        tokens_per_s=1000.0,
+        mfu=None,
+        peak_flops=None,
+        device="cpu:x86_64x2",
+        precision="32-true",
+        versions={"torch": "2.13.0"},
+        corpus="stdlib:python3.11.7",
+        corpus_fingerprint="0123456789abcdef",
+        routing_stats={"capacity": 0.125},
+    )
+    return results.RunRecord(
+        run_id=run_id,
+        sweep_id="s1",
+        arch="mod",
+        budget=1e11,
+        d_model=32,
+        n_layers=2,
+        n_heads=2,
+        n_kv_heads=2,
+        d_ff=96,
+        seq_len=128,
+        vocab_size=256,
+        params_total=30_000,
+        params_nonembed=20_000,
+        params_active=30_000,
+        flops_per_token=4e4,
+        flops_6nd=7.2e9,
+        train_flops=7.2e9,
+        tokens=60_000,
+        steps=30,
+        batch_size=16,
+        lr=3e-3,
+        seed=0,
+        metrics=dataclasses.replace(m, **metrics),
+        config={"model": {"arch": "mod"}},
+    )
+
+
+def test_runs_table_is_the_record(tmp_path):
+    con = results.connect(tmp_path / "r.db")
+    described = [(r[0], r[1], r[3]) for r in con.execute("DESCRIBE runs").fetchall()]
+    from_record = [(c, t.split()[0], "PRI" if "PRIMARY KEY" in t else None) for c, t in results.RUN_COLUMNS.items()]
+    assert described == from_record == SCHEMA_V1
+    assert list(record().row()) == list(results.RUN_COLUMNS)[:-1]  # all but created_at, which the store stamps
+    metric_cols = [f.name for f in dataclasses.fields(results.RunMetrics)]
+    assert list(results.RUN_COLUMNS)[22:36] == metric_cols  # the measured columns sit where the record puts them
+
+
+def test_record_round_trips_and_replaces(tmp_path):
+    con = results.connect(tmp_path / "r.db")
+    curve = [{"step": s, "tokens": 16 * s, "flops": 1e6 * s, "train_loss": 3.0 / s, "lr": 1e-3} for s in (1, 2)]
+    results.add_run(con, record(), curve)
+    results.add_run(con, record(val_loss=2.25), curve)  # same run_id: replaces row and curve
+    cur = con.execute("SELECT * FROM runs")
+    (row,) = cur.fetchall()
+    stored = dict(zip([d[0] for d in cur.description], row, strict=True))
+    assert stored.pop("created_at") is not None
+    for col, sql in results.RUN_COLUMNS.items():
+        if sql == "JSON":
+            stored[col] = json.loads(stored[col])
+    assert stored == record(val_loss=2.25).row()
+    assert con.execute("SELECT count(*) FROM curves WHERE run_id = 'r1'").fetchone()[0] == 2
+
+
+def test_add_run_is_atomic_and_checks_columns(tmp_path):
+    con = results.connect(tmp_path / "r.db")
+    results.add_run(con, record(), [])
+    with pytest.raises(KeyError):  # a curve point without lr fails after the row was inserted
+        results.add_run(con, record("r2"), [{"step": 1, "tokens": 1, "flops": 1.0, "train_loss": 1.0}])
+    assert con.execute("SELECT list(run_id) FROM runs").fetchone()[0] == ["r1"]
+    assert con.execute("SELECT count(*) FROM curves").fetchone()[0] == 0
+    for bad in ({"run_id": "r3", "val_los": 1.0}, {"run_id": "r3", "created_at": None}):
+        with pytest.raises(results.StoreError, match="unknown run columns"):
+            results.add_run(con, bad, [])
+    results.add_run(con, {"run_id": "r4", "arch": "dense", "status": "ok"}, [])  # partial rows: the rest NULL
+    assert con.execute("SELECT arch, val_loss FROM runs WHERE run_id = 'r4'").fetchone() == ("dense", None)

@@ -30,13 +30,19 @@ def poison_empty():
         yield
 
 
-@pytest.fixture
-def cli(tmp_path):
-    """Run ``python -m <module> args...`` from a foreign directory; returns CompletedProcess.
+@pytest.fixture(scope="session")
+def cli_env() -> dict[str, str]:
+    """The environment of every ``python -m sweeps|analysis`` subprocess the tests start: unbuffered, and no GPU.
 
-    The subprocess sees no GPU: these tests run the CPU presets (``sweep.workers=2``, fp32), whose exact
-    behaviour they check, and on a one-GPU machine ``train.accelerator=auto`` would otherwise pick the GPU and
-    stop at "sweep.workers=2 needs one GPU each" before the behaviour under test."""
+    These tests check the CPU presets' exact behaviour (``sweep.workers=2``, fp32); on a one-GPU machine
+    ``train.accelerator=auto`` would pick the GPU and stop at "sweep.workers=2 needs one GPU each" first.
+    """
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+
+@pytest.fixture
+def cli(tmp_path, cli_env):
+    """Run ``python -m <module> args...`` from a foreign directory (environment ``cli_env``); CompletedProcess."""
     import subprocess
 
     def run(module: str, *args: str, timeout: float = 600):
@@ -46,7 +52,7 @@ def cli(tmp_path):
             capture_output=True,
             text=True,
             timeout=timeout,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""},
+            env=cli_env,
         )
 
     return run

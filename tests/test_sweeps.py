@@ -29,15 +29,14 @@ def test_dry_run_prints_plan_and_writes_nothing(cli, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def swept(tmp_path_factory):
-    import os
+def swept(tmp_path_factory, cli_env):
     import subprocess
     import sys
 
     d = tmp_path_factory.mktemp("sweep")
     cmd = [sys.executable, "-m", "sweeps", "isoflop", "--db", str(d / "r.db"), *TINY]
     # as a user's CPU run: no Triton interpreter (conftest sets it for the kernel tests), routed ops on torch
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = {k: v for k, v in cli_env.items() if k != "TRITON_INTERPRET"}
     first = subprocess.run(cmd, cwd=d, capture_output=True, text=True, timeout=900, env=env)
     second = subprocess.run(cmd, cwd=d, capture_output=True, text=True, timeout=900, env=env)
     return d, first, second
@@ -125,14 +124,12 @@ SMALL = [  # 4 runs, one thread per process (a one-budget sweep cannot draw its 
 
 
 @pytest.fixture(scope="module")
-def pooled(tmp_path_factory):
+def pooled(tmp_path_factory, cli_env):
     """The SMALL sweep with sweep.workers=2 and with the in-process path, run side by side (separate DBs)."""
-    import os
     import subprocess
     import sys
 
     d = tmp_path_factory.mktemp("pool")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     procs = {
         w: subprocess.Popen(
             [sys.executable, "-m", "sweeps", "isoflop", "--db", str(d / f"w{w}.db"), *SMALL, f"sweep.workers={w}"],
@@ -140,7 +137,7 @@ def pooled(tmp_path_factory):
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=env,
+            env=cli_env,
         )
         for w in (1, 2)
     }

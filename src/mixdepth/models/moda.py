@@ -28,7 +28,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixdepth.models.blocks import Attention, RMSNorm, Rotary, SwiGLU, sample
+from mixdepth.models.blocks import (
+    Attention,
+    RMSNorm,
+    Rotary,
+    SwiGLU,
+    add_branch,
+    branch_input,
+    causal_mask,
+    reference_attention,
+)
+from mixdepth.models.decoding import Decoder
 from mixdepth.models.dense import DenseConfig, DenseLM, ModelConfigError
 
 DEPTH_KV = ("attn", "attn+ffn", "attn+ffn+extra")
@@ -297,30 +307,6 @@ def joint_attention(q, k, v, kd, vd, impl: str, depth_grad: Callable[[], tuple] 
     return moda_attn_naive(q, k, v, kd, vd)
 
 
-def cached_joint_attention(q, k, v, kd, vd, start: int) -> torch.Tensor:
-    """Joint attention for a chunk of queries at positions start..start+n-1 over a sequence KV cache.
-
-    q: [B, Hq, n, hd]; k, v: [B, Hk, start+n, hd] (cache prefix incl. the chunk); kd, vd: [B, Hk, n, S, hd]
-    (the chunk's in-flight depth slots) or None -> [B, Hq, n, hd]. fp32, like the reference.
-    """
-    B, Hq, n, hd = q.shape
-    G = Hq // k.shape[1]
-    qf = q.float()
-    kf, vf = k.float().repeat_interleave(G, 1), v.float().repeat_interleave(G, 1)  # [B, Hq, P, hd]
-    logits = qf @ kf.transpose(-1, -2) * hd**-0.5  # [B, Hq, n, P]
-    P = k.shape[2]
-    visible = torch.arange(P, device=q.device)[None, :] <= torch.arange(start, start + n, device=q.device)[:, None]
-    logits = logits.masked_fill(~visible, float("-inf"))
-    if kd is not None:
-        kdf, vdf = kd.float().repeat_interleave(G, 1), vd.float().repeat_interleave(G, 1)  # [B, Hq, n, S, hd]
-        logits = torch.cat([logits, torch.einsum("bhtd,bhtsd->bhts", qf, kdf) * hd**-0.5], -1)
-    p = logits.softmax(-1)  # one shared denominator
-    o = p[..., :P] @ vf
-    if kd is not None:
-        o = o + torch.einsum("bhts,bhtsd->bhtd", p[..., P:], vdf)
-    return o.to(v.dtype)
-
-
 class DepthKV(nn.Module):
     """A depth K/V projection (FFN input or extra attention K/V): ``D -> Hk*hd`` each, RoPE at the slot's position."""
 
@@ -347,7 +333,7 @@ class MoDABlock(nn.Module):
         super().__init__()
         c = cfg
         self.pre_norm, self.impl = c.norm == "pre", c.attn_impl
-        self.attn = Attention(c.d_model, c.n_heads, c.n_kv_heads, c.qk_norm, c.attn_impl)
+        self.attn = Attention(c)
         self.mlp = SwiGLU(c.d_model, c.d_ff)
         self.norm1, self.norm2 = RMSNorm(c.d_model), RMSNorm(c.d_model)
         self.reads = c.depth_range(layer)
@@ -368,7 +354,7 @@ class MoDABlock(nn.Module):
 
     def pre(self, x: torch.Tensor, rope: Rotary, pos: torch.Tensor | None):
         """The attention's inputs: x [B, T, D] -> q [B, T, Hq, hd], k, v [B, Hk, T, hd], extra K/V or None."""
-        h = self.norm1(x) if self.pre_norm else x
+        h = branch_input(x, self.norm1, self.pre_norm)
         q, k, v = self.attn.qkv(h, rope, pos)
         extra = self.extra_kv(h, rope, pos) if self.extra_kv is not None else None
         # QK-norm's fp32 weight can promote q, k under autocast. q as contiguous [B, T, Hq, hd], the projections'
@@ -392,21 +378,20 @@ class MoDABlock(nn.Module):
         if cache is None:
             return joint_attention(q, k, v, kd, vd, self.impl, dkv)
         kc, vc = cache
-        T = q.shape[2]
-        kc[:, :, start : start + T], vc[:, :, start : start + T] = k, v
-        return cached_joint_attention(q, kc[:, :, : start + T], vc[:, :, : start + T], kd, vd, start)
+        T, P = q.shape[2], start + q.shape[2]
+        kc[:, :, start:P], vc[:, :, start:P] = k, v
+        return reference_attention(q, kc[:, :, :P], vc[:, :, :P], causal_mask(T, P, q.device), kd, vd)
 
     def post(self, x: torch.Tensor, y: torch.Tensor, rope: Rotary, pos: torch.Tensor | None):
         """Output projection, residual and FFN: (x, y [B, Hq, T, hd]) -> (x [B, T, D], FFN slot K/V or None)."""
         B, T, D = x.shape
-        a = self.attn.wo(y.transpose(1, 2).reshape(B, T, D))
-        x = x + a if self.pre_norm else self.norm1(x + a)
-        h = self.norm2(x) if self.pre_norm else x  # the FFN input, projected into this block's FFN slot
+        x = add_branch(x, self.attn.wo(y.transpose(1, 2).reshape(B, T, D)), self.norm1, self.pre_norm)
+        h = branch_input(x, self.norm2, self.pre_norm)  # the FFN input, projected into this block's FFN slot
         pending = self.ffn_kv(h, rope, pos) if self.ffn_kv is not None else None
-        return (x + self.mlp(h) if self.pre_norm else self.norm2(x + self.mlp(h))), pending
+        return add_branch(x, self.mlp(h), self.norm2, self.pre_norm), pending
 
 
-class MoDALM(DenseLM):
+class MoDALM(Decoder, DenseLM):
     """Decoder-only LM with MoDA attention. forward(idx [B, T], targets=None) -> logits [B, T, V] or loss."""
 
     cfg: MoDAConfig
@@ -453,39 +438,17 @@ class MoDALM(DenseLM):
         self._between = torch.compile(self._between, *args, **kwargs)
         self.head_loss = torch.compile(self.head_loss, *args, **kwargs)
 
-    # ---- decoding -----------------------------------------------------------------------------------
-    def new_cache(self, batch: int, max_len: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    # ---- decoding (Decoder) -------------------------------------------------------------------------
+    def new_cache(self, batch: int, max_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (k, v) sequence caches [B, Hk, max_len, hd]; depth slots are never cached (in-flight)."""
         c, w = self.cfg, self.embed.weight
-        shape = (batch, c.n_kv_heads, max_len or c.seq_len, c.head_dim)
+        shape = (batch, c.n_kv_heads, max_len, c.head_dim)
         return [(w.new_zeros(shape), w.new_zeros(shape)) for _ in range(c.n_layers)]
 
-    @torch.no_grad()
-    def step(self, idx: torch.Tensor, cache: list, start: int) -> torch.Tensor:
-        """Tokens idx [B, n] at positions start..start+n-1 (prefill or one token) -> logits [B, n, V]."""
-        if start + idx.shape[1] > self.cfg.seq_len:
-            raise ValueError(f"position {start + idx.shape[1] - 1} is beyond seq_len={self.cfg.seq_len}")
-        return self.head_loss(self.trunk(idx, cache, start)[0])
+    def prefill(self, idx: torch.Tensor, cache: list) -> torch.Tensor:
+        """Prompt idx [B, T0] at positions 0..T0-1, filling ``cache`` -> logits [B, T0, V]."""
+        return self.head_loss(self.trunk(idx, cache, 0)[0])
 
-    @torch.no_grad()
-    def generate(
-        self,
-        idx: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        generator: torch.Generator | None = None,
-    ) -> torch.Tensor:
-        """Sample ``max_new_tokens`` after idx [B, T0] -> [B, T0 + max_new_tokens]; temperature 0 = greedy."""
-        B, T0 = idx.shape
-        if T0 + max_new_tokens > self.cfg.seq_len:
-            raise ValueError(f"prompt {T0} + {max_new_tokens} new tokens exceeds seq_len={self.cfg.seq_len}")
-        cache = self.new_cache(B, T0 + max_new_tokens)
-        logits = self.step(idx, cache, 0)[:, -1]  # [B, V]
-        out = [idx]
-        for i in range(max_new_tokens):
-            nxt = sample(logits, temperature, top_k, generator)  # [B, 1]
-            out.append(nxt)
-            if i + 1 < max_new_tokens:
-                logits = self.step(nxt, cache, T0 + i)[:, -1]
-        return torch.cat(out, 1)
+    def decode_step(self, tok: torch.Tensor, pos: int, cache: list) -> torch.Tensor:
+        """tok [B, 1] at position ``pos`` over the cached prefix -> logits [B, V]."""
+        return self.head_loss(self.trunk(tok, cache, pos)[0])[:, 0]

@@ -197,8 +197,11 @@ class ConcatStore:
     """Reference depth store without buffers: every read concatenates the written tensors afresh, and autograd
     routes each slot's gradient back by itself (one accumulation per reader)."""
 
-    def __init__(self, n_slots: int):
+    def __init__(self, n_slots: int, live: int | None = None):
         self.k, self.v = [None] * n_slots, [None] * n_slots
+
+    def release(self, lo):
+        pass  # keeps every slot
 
     def write(self, i, k, v):
         self.k[i], self.v[i] = k, v
@@ -333,6 +336,39 @@ def test_kernel_path_matches_reference(monkeypatch):
     torch.testing.assert_close(la, lb)
     for n in gb:
         torch.testing.assert_close(ga[n], gb[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(depth_kv="attn", depth_window=2),
+        dict(depth_kv="attn+ffn", depth_window=2),
+        dict(depth_kv="attn+ffn", depth_window=1),
+        dict(depth_kv="attn+ffn+extra", depth_window=2),
+        dict(depth_kv="attn+ffn+extra", depth_window=4, norm="post"),
+    ],
+)
+def test_bounded_depth_store_without_autograd(monkeypatch, kw):
+    """Paper Sec. 6.2: with a depth window S, evaluation, prefill and generation (no autograd) hold at most
+    S + slots-per-block depth slots (8 layers: not the (L-1)·slots-per-block every slot would take), and give
+    the logits and tokens of the store that keeps every slot, bit for bit."""
+    model = make(n_layers=8, **kw).eval()
+    cfg = model.cfg
+    live = cfg.depth_window + len(cfg.slot_kinds)
+    x = torch.randint(0, 64, (2, 16))
+    slot_bytes = 2 * 2 * 16 * 16 * 4  # one slot of k or v: [B, Hk, T, hd] fp32
+    with torch.no_grad():
+        (h, store), (_, prefill) = model.trunk(x), model.trunk(x[:, :5], model.new_cache(2, 16), 0)
+        for s in (store, prefill):
+            assert s.k.shape[0] <= live < cfg.n_slots and s.allocations == 2
+            assert s.k.numel() * s.k.element_size() + s.v.numel() * s.v.element_size() <= 2 * live * slot_bytes
+        out = model.generate(x[:, :4], 8, temperature=0)
+    monkeypatch.setattr(M, "DepthStore", lambda n_slots, live: DepthStore(n_slots))  # every slot kept
+    with torch.no_grad():
+        ref_h, ref_store = model.trunk(x)
+        assert ref_store.k.shape[0] == cfg.n_slots
+        assert torch.equal(h, ref_h)
+        assert torch.equal(model.generate(x[:, :4], 8, temperature=0), out)
 
 
 def test_sweep_plan_includes_moda():

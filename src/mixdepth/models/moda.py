@@ -14,7 +14,8 @@ Design choices (see the docstrings below for the why):
 * RoPE on depth keys: a slot lives at the query's own position t and q is rotated at t, so every depth key
   is rotated at t too (the reused attention K already is). Then q_t . k_t is position-free, exactly as if
   neither were rotated; an unrotated depth key would make the depth logits depend on absolute position.
-* Depth slots live once in a preallocated buffer ``[n_slots, B, Hk, T, hd]`` (see ``DepthStore``).
+* Depth slots live once in a preallocated buffer ``[n_slots, B, Hk, T, hd]`` (see ``DepthStore``); without
+  autograd and with a depth window S, in a buffer of S + slots-per-block rows.
 """
 
 from __future__ import annotations
@@ -82,6 +83,14 @@ class MoDAConfig(DenseConfig):
     def n_slots(self) -> int:
         """Depth buffer size: every slot written before the last layer's attention."""
         return self.depth_range(self.n_layers - 1)[1]
+
+    @property
+    def live_slots(self) -> int:
+        """Slots held at once without autograd: with a depth window S, S + slots per block (a layer's window and
+        the block's own slots, written before its read), at most n_slots; all of them without a window."""
+        if not self.depth_window:
+            return self.n_slots
+        return min(self.n_slots, self.depth_window + len(self.slot_kinds))
 
     def same_as_dense(self) -> str | None:
         return "no layer reads a depth slot" if self.n_slots == 0 else None
@@ -227,42 +236,78 @@ class _SlotRead(torch.autograd.Function):
 
 
 class DepthStore:
-    """Preallocated depth K/V buffers ``[n_slots, B, Hk, T, hd]``, each slot written once, read as views.
+    """Preallocated depth K/V buffers ``[rows, B, Hk, T, hd]``, each slot written once, read as views.
 
-    Memory is O(L) slots: the buffers hold each slot once, and reads are strided prefix (or window) views
-    handed to the attention (the Triton kernel reads them in place). With autograd on, two gradient buffers
-    of the same shape (``SlotGrads``, allocated in the backward pass) collect every read's depth gradient
-    (one add or write per buffer and read, or none: the kernel does it in place), and each slot's write hands
-    its sum on once: O(L) ops per step, not one per (slot, read). They use the slot dtype, not fp32: autograd
-    summed these gradients in that dtype before (so no precision is lost; the kernel even adds its fp32 values with one
-    rounding per read), and bf16 halves their memory and every read's add traffic. The slot buffers are
-    allocated on the first write (dtype and shape of that slot); ``allocations`` counts them (2). Slot-major:
-    each slot is one contiguous ``[B, Hk, T, hd]`` block, the layout the compiled projections write k, v in, so
-    a write is a plain copy, a slot's summed gradient is handed on as a contiguous tensor, and a read is a
-    ``[B, Hk, T, S, hd]`` view with strides the kernels take as they are.
+    With autograd on (training) the buffers hold every slot (rows = n_slots): memory is O(L) slots, each held
+    once, and reads are strided prefix (or window) views handed to the attention (the Triton kernel reads them
+    in place). Two gradient buffers of the same shape (``SlotGrads``, allocated in the backward pass) collect
+    every read's depth gradient (one add or write per buffer and read, or none: the kernel does it in place),
+    and each slot's write hands its sum on once: O(L) ops per step, not one per (slot, read). They use the slot
+    dtype, not fp32: autograd summed these gradients in that dtype before (so no precision is lost; the kernel
+    even adds its fp32 values with one rounding per read), and bf16 halves their memory and every read's add
+    traffic.
+
+    Without autograd (evaluation, prefill, generation) a slot is dead after its last read, so with a depth
+    window S the buffers have only ``live`` = S + slots-per-block rows (paper Sec. 6.2): rows hold the slots
+    ``base, base + 1, ...``; a write that finds no free row first moves the slots a later read may still need
+    (from ``release``'s bound on) to the front. Reads stay views of one contiguous row range. Identical values:
+    writes are the same copies, reads the same slots.
+
+    The buffers are allocated on the first write (dtype and shape of that slot, which also decides the mode);
+    ``allocations`` counts them (2). Slot-major: each slot is one contiguous ``[B, Hk, T, hd]`` block, the layout
+    the compiled projections write k, v in, so a write is a plain copy, a slot's summed gradient is handed on as
+    a contiguous tensor, and a read is a ``[B, Hk, T, S, hd]`` view with strides the kernels take as they are.
     """
 
-    def __init__(self, n_slots: int):
+    def __init__(self, n_slots: int, live: int | None = None):
         self.n_slots = n_slots
+        self.live = n_slots if live is None else live  # rows without autograd
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
+        self.autograd = False  # decided by the first write
         self.grad: SlotGrads | None = None  # with autograd on
-        self.tokens: list[torch.Tensor | None] = [None] * n_slots
-        self.src_k: list[torch.Tensor | None] = [None] * n_slots  # the tensors written, for inspection
+        self.tokens: list[torch.Tensor | None] = [None] * n_slots  # with autograd on
+        self.written = [False] * n_slots
+        self.src_k: list[torch.Tensor | None] = [None] * n_slots  # the tensors written (autograd on), for inspection
         self.src_v: list[torch.Tensor | None] = [None] * n_slots
         self.allocations = 0
+        self.base = 0  # the slot in row 0 (without autograd)
+        self.floor = 0  # no later read needs a slot below this one
+
+    def release(self, lo: int) -> None:
+        """No later read needs the slots below lo (read windows only move forward): without autograd their rows
+        may be reused."""
+        self.floor = max(self.floor, lo)
 
     @torch.compiler.disable  # aliasing storage is opaque to aot_autograd: run store ops eagerly, graph-break
     def write(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [B, Hk, T, hd] into slot i."""
-        shape = (self.n_slots, *k.shape)
         if self.k is None:
+            self.autograd = torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)
+            shape = (self.n_slots if self.autograd else self.live, *k.shape)
             self.k, self.v = k.new_empty(shape), v.new_empty(shape)
             self.allocations += 2
-        if self.grad is None and torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
-            self.grad = SlotGrads(k.new_empty(0), v.new_empty(0), shape)
-        self.tokens[i] = _SlotWrite.apply(self, i, k, v)
-        self.src_k[i], self.src_v[i] = k, v
+            if self.autograd:
+                self.grad = SlotGrads(k.new_empty(0), v.new_empty(0), shape)
+        self.written[i] = True
+        if self.autograd:
+            self.tokens[i] = _SlotWrite.apply(self, i, k, v)
+            self.src_k[i], self.src_v[i] = k, v
+            return
+        if i - self.base >= self.k.shape[0]:
+            self._shift()
+        if i - self.base >= self.k.shape[0]:
+            raise RuntimeError(f"depth store: slot {i} does not fit {self.k.shape[0]} rows from slot {self.floor}")
+        self.k[i - self.base].copy_(k)
+        self.v[i - self.base].copy_(v)
+
+    def _shift(self) -> None:
+        """Moves the slots from ``floor`` on to the front rows, in order (a row is read before it is overwritten)."""
+        s = self.floor - self.base
+        for r in range(self.k.shape[0] - s):
+            self.k[r].copy_(self.k[s + r])
+            self.v[r].copy_(self.v[s + r])
+        self.base = self.floor
 
     @torch.compiler.disable
     def read(self, lo: int, hi: int):
@@ -272,7 +317,10 @@ class DepthStore:
         vd's gradients itself instead of returning them; (None, None, None) when empty."""
         if hi <= lo:
             return None, None, None
-        assert all(t is not None for t in self.tokens[lo:hi]), "reading an unwritten depth slot"
+        assert all(self.written[lo:hi]), "reading an unwritten depth slot"
+        if not self.autograd:
+            assert lo >= self.base, "reading a released depth slot"
+            return _slots(self.k, lo - self.base, hi - self.base), _slots(self.v, lo - self.base, hi - self.base), None
         grad = None if self.grad is None else partial(self.grad.request, lo, hi)
         return *_SlotRead.apply(self, lo, hi, *self.tokens[lo:hi]), grad
 
@@ -373,6 +421,7 @@ class MoDABlock(nn.Module):
         slots written by earlier blocks (``depth_range``). q: [B, T, Hq, hd]. With ``cache`` = (k_cache, v_cache)
         [B, Hk, T_max, hd], q holds positions start..start+T-1 and attends over the cached prefix."""
         q = q.transpose(1, 2)  # [B, Hq, T, hd] view
+        store.release(self.reads[0])
         self._write(store, k, v, extra, pending)
         kd, vd, dkv = store.read(*self.reads)
         if cache is None:
@@ -405,7 +454,7 @@ class MoDALM(Decoder, DenseLM):
         Between two attentions runs ONE function, ``_between`` (block l's output projection and FFN, then block
         l+1's Q/K/V), and ``_first`` (embedding, block 0's Q/K/V) before the first: each residual stream x is
         made and first read in one function, so under ``compile`` its gradient sums inside compiled code."""
-        store = DepthStore(self.cfg.n_slots)
+        store = DepthStore(self.cfg.n_slots, self.cfg.live_slots)
         pos = None
         if cache is not None:
             pos = torch.arange(start, start + idx.shape[1], device=idx.device).expand(idx.shape[0], -1)  # [B, T]

@@ -171,6 +171,8 @@ def test_analytic_flops_match_counter(arch, kw, monkeypatch):
     attention scores and values where the convention counts the mean causal context (n+1)/2 (n = T, or k among
     a routed layer's tokens): swapped here. It ignores Triton ops, so the grouped experts run their reference
     (plain matmuls, 6·d·F_e per real assignment); index ops (gather, scatter, sort) count nothing either way.
+    Left inside the 2%: multiply-sums the counter does not see (MoD's router score and predictor output layer,
+    2·d + 2·h per token and routed layer; a MoDA layer reading one slot, 2·Hq·hd per token).
     """
     monkeypatch.setattr(moe_module, "grouped_swiglu", grouped_swiglu_naive)
     model = build(arch, {**kw, "attn_impl": "naive"})  # SDPA on CPU is invisible to the counter

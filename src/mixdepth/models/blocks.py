@@ -66,10 +66,11 @@ def reference_attention(
     kd: torch.Tensor | None = None,
     vd: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The reference GQA attention, explicit matmuls in fp32 (autocast off): the ``naive`` path and decoding.
+    """The reference GQA attention with explicit matmuls: the ``naive`` path and decoding.
 
-    One softmax over the keys a query sees and, optionally, its own position's depth slots (MoDA). Visible to
-    FLOP counters, unlike SDPA on CPU. Query head h reads KV head h // (Hq // Hk).
+    One softmax, in fp32, over the keys a query sees and, optionally, its own position's depth slots (MoDA).
+    The matmuls run in the inputs' precision (autocast's under autocast), the logits and the softmax in fp32.
+    Visible to FLOP counters, unlike SDPA on CPU. Query head h reads KV head h // (Hq // Hk).
 
     Args:
         q: queries ``[B, Hq, Tq, hd]``.
@@ -83,21 +84,19 @@ def reference_attention(
     """
     G = q.shape[1] // k.shape[1]
     scale = q.shape[-1] ** -0.5
+    k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)  # [B, Hq, Tk, hd]
     visible = visible | ~visible.any(-1, keepdim=True)  # empty rows: finite garbage, never NaN
     if visible.dim() == 3:
         visible = visible[:, None]  # [B, 1, Tq, Tk]
-    with torch.autocast(q.device.type, enabled=False):
-        qf = q.float()
-        kf, vf = k.float().repeat_interleave(G, 1), v.float().repeat_interleave(G, 1)  # [B, Hq, Tk, hd]
-        logits = (qf @ kf.transpose(-1, -2)) * scale  # [B, Hq, Tq, Tk]
-        logits = logits.masked_fill(~visible, float("-inf"))
-        if kd is not None:
-            kdf, vdf = kd.float().repeat_interleave(G, 1), vd.float().repeat_interleave(G, 1)  # [B, Hq, Tq, S, hd]
-            logits = torch.cat([logits, torch.einsum("bhtd,bhtsd->bhts", qf, kdf) * scale], -1)
-        p = logits.softmax(-1)  # one shared denominator
-        o = p[..., : k.shape[2]] @ vf  # [B, Hq, Tq, hd]; the whole of p without depth slots
-        if kd is not None:
-            o = o + torch.einsum("bhts,bhtsd->bhtd", p[..., k.shape[2] :], vdf)
+    logits = (q @ k.transpose(-1, -2)).float() * scale  # [B, Hq, Tq, Tk]
+    logits = logits.masked_fill(~visible, float("-inf"))
+    if kd is not None:
+        kd, vd = kd.repeat_interleave(G, 1), vd.repeat_interleave(G, 1)  # [B, Hq, Tq, S, hd]
+        logits = torch.cat([logits, torch.einsum("bhtd,bhtsd->bhts", q, kd).float() * scale], -1)
+    p = logits.softmax(-1)  # one shared denominator
+    o = p[..., : k.shape[2]].to(v.dtype) @ v  # [B, Hq, Tq, hd]; the whole of p without depth slots
+    if kd is not None:
+        o = o + torch.einsum("bhts,bhtsd->bhtd", p[..., k.shape[2] :].to(vd.dtype), vd)
     return o.to(q.dtype)
 
 

@@ -1,4 +1,4 @@
-"""Shared transformer blocks: RMSNorm, RoPE, GQA attention, SwiGLU MLP, pre/post-norm block.
+"""Shared transformer blocks: RMSNorm, RoPE, the reference attention, GQA attention, SwiGLU MLP, pre/post-norm block.
 
 Plain PyTorch, no Lightning. Attention takes explicit token positions so that routed families (MoD) can
 run a block on a gathered subset of tokens with their ORIGINAL RoPE positions.
@@ -6,9 +6,16 @@ run a block on a gathered subset of tokens with their ORIGINAL RoPE positions.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from mixdepth.models.decoding import KVCache
+
+if TYPE_CHECKING:
+    from mixdepth.models.dense import DenseConfig
 
 
 class RMSNorm(nn.Module):
@@ -45,83 +52,71 @@ class Rotary(nn.Module):
         return out.to(x.dtype)
 
 
-def naive_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Reference causal GQA attention with explicit matmuls (fp32 softmax).
+# ---- attention ------------------------------------------------------------------------------------------
+def causal_mask(n_q: int, n_k: int, device) -> torch.Tensor:
+    """[n_q, n_k] bool visibility of the last n_q of n_k causal positions: query i sees keys 0..n_k - n_q + i."""
+    return torch.ones(n_q, n_k, dtype=torch.bool, device=device).tril(n_k - n_q)
 
-    q: [B, Hq, T, hd]; k, v: [B, Hk, T, hd] -> [B, Hq, T, hd]. Visible to FLOP counters, unlike SDPA on CPU.
+
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    visible: torch.Tensor,
+    kd: torch.Tensor | None = None,
+    vd: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The reference GQA attention with explicit matmuls: the ``naive`` path and decoding.
+
+    One softmax, in fp32, over the keys a query sees and, optionally, its own position's depth slots (MoDA).
+    The matmuls run in the inputs' precision (autocast's under autocast), the logits and the softmax in fp32.
+    Visible to FLOP counters, unlike SDPA on CPU. Query head h reads KV head h // (Hq // Hk).
+
+    Args:
+        q: queries ``[B, Hq, Tq, hd]``.
+        k, v: keys and values ``[B, Hk, Tk, hd]``.
+        visible: ``[Tq, Tk]`` or ``[B, Tq, Tk]`` bool, True where query i sees key j. A row with no visible key
+            reads key 0 instead of producing NaN (ragged decoding caches); callers discard such rows.
+        kd, vd: depth slots ``[B, Hk, Tq, S, hd]`` of each query's own position, or None.
+
+    Returns:
+        ``[B, Hq, Tq, hd]`` in q's dtype.
     """
     G = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
-    T = q.shape[2]
-    scores = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5  # [B, Hq, T, T]
-    mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(v.dtype)
-    return probs @ v
-
-
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """GQA attention with an explicit boolean mask (fp32 softmax): decoding over ragged KV caches.
-
-    q: [B, Hq, Tq, hd]; k, v: [B, Hk, Tk, hd]; mask: [B, Tq, Tk] True where a key is visible -> [B, Hq, Tq, hd].
-    A query row with no visible key reads key 0 instead of producing NaN; callers discard such rows.
-    """
-    G = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
-    mask = mask | ~mask.any(-1, keepdim=True)  # empty rows: finite garbage, never NaN
-    scores = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5  # [B, Hq, Tq, Tk]
-    probs = scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1).to(v.dtype)
-    return probs @ v
-
-
-class KVCache:
-    """One layer's KV cache with a length per sequence (a routed layer holds a different count per sequence).
-
-    Rows ``[0, len[b])`` of sequence b are the keys/values of the tokens this layer processed, in position
-    order, RoPE already applied at their true positions.
-    """
-
-    def __init__(self, batch: int, n_kv_heads: int, max_len: int, head_dim: int, device, dtype):
-        self.k = torch.zeros(batch, n_kv_heads, max_len, head_dim, device=device, dtype=dtype)
-        self.v = torch.zeros_like(self.k)
-        self.len = torch.zeros(batch, dtype=torch.long, device=device)  # [B]
-
-    def write_prefix(self, k: torch.Tensor, v: torch.Tensor, n: torch.Tensor) -> None:
-        """k, v: [B, Hk, L, hd] of which the first n[b] rows are real (prefill); n: [B]."""
-        L = k.shape[2]
-        self.k[:, :, :L], self.v[:, :, :L] = k, v
-        self.len = n.to(torch.long).clone()
-
-    def append(self, k: torch.Tensor, v: torch.Tensor, take: torch.Tensor | None) -> None:
-        """k, v: [B, Hk, 1, hd]; take: [B] bool (None = all), the sequences whose token this layer processes."""
-        b = torch.arange(k.shape[0], device=k.device) if take is None else take.nonzero().squeeze(1)  # [b']
-        slot = self.len[b]  # [b'] next free row per sequence
-        # cast: under autocast k/v arrive in bf16 while the cache keeps the parameter dtype
-        self.k[b, :, slot], self.v[b, :, slot] = k[b, :, 0].to(self.k.dtype), v[b, :, 0].to(self.v.dtype)
-        self.len = self.len + (1 if take is None else take.long())
-
-    def visible(self) -> torch.Tensor:
-        """[B, 1, Lc] key mask over the filled prefix (Lc = longest length)."""
-        Lc = int(self.len.max())
-        return (torch.arange(Lc, device=self.len.device)[None] < self.len[:, None])[:, None]
+    scale = q.shape[-1] ** -0.5
+    k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)  # [B, Hq, Tk, hd]
+    visible = visible | ~visible.any(-1, keepdim=True)  # empty rows: finite garbage, never NaN
+    if visible.dim() == 3:
+        visible = visible[:, None]  # [B, 1, Tq, Tk]
+    logits = (q @ k.transpose(-1, -2)).float() * scale  # [B, Hq, Tq, Tk]
+    logits = logits.masked_fill(~visible, float("-inf"))
+    if kd is not None:
+        kd, vd = kd.repeat_interleave(G, 1), vd.repeat_interleave(G, 1)  # [B, Hq, Tq, S, hd]
+        logits = torch.cat([logits, torch.einsum("bhtd,bhtsd->bhts", q, kd).float() * scale], -1)
+    p = logits.softmax(-1)  # one shared denominator
+    o = p[..., : k.shape[2]].to(v.dtype) @ v  # [B, Hq, Tq, hd]; the whole of p without depth slots
+    if kd is not None:
+        o = o + torch.einsum("bhts,bhtsd->bhtd", p[..., k.shape[2] :].to(vd.dtype), vd)
+    return o.to(q.dtype)
 
 
 class Attention(nn.Module):
     """Causal grouped-query attention; query head h reads KV head h // (n_heads // n_kv_heads).
 
-    ``impl='sdpa'`` uses the fused PyTorch kernels; ``'naive'`` the explicit reference above.
+    ``attn_impl='sdpa'`` uses the fused PyTorch kernels; ``'naive'`` the reference above.
     """
 
-    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, qk_norm: bool, impl: str = "sdpa"):
+    def __init__(self, c: DenseConfig):
         super().__init__()
-        self.impl = impl
-        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
-        self.head_dim = d_model // n_heads
-        self.wq = nn.Linear(d_model, n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(n_heads * self.head_dim, d_model, bias=False)
-        self.q_norm = RMSNorm(self.head_dim) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim) if qk_norm else None
+        self.impl = c.attn_impl
+        self.n_heads, self.n_kv_heads = c.n_heads, c.n_kv_heads
+        self.head_dim = c.d_model // c.n_heads
+        self.wq = nn.Linear(c.d_model, c.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(c.d_model, c.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(c.d_model, c.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(c.n_heads * self.head_dim, c.d_model, bias=False)
+        self.q_norm = RMSNorm(self.head_dim) if c.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim) if c.qk_norm else None
 
     def qkv(self, x: torch.Tensor, rope: Rotary, pos: torch.Tensor | None):
         """x: [B, T, D] -> q [B, Hq, T, hd], k and v [B, Hk, T, hd], RoPE applied at ``pos``."""
@@ -135,20 +130,14 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: Rotary, pos: torch.Tensor | None = None) -> torch.Tensor:
         """x: [B, T, D] with tokens in increasing position order -> [B, T, D]."""
-        B, T, D = x.shape
-        q, k, v = self.qkv(x, rope, pos)
-        if self.impl == "naive":
-            y = naive_causal_attention(q, k, v)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_heads != self.n_kv_heads)
-        return self.wo(y.transpose(1, 2).reshape(B, T, D))
+        return self.forward_kv(x, rope, pos)[0]
 
     def forward_kv(self, x: torch.Tensor, rope: Rotary, pos: torch.Tensor | None = None):
         """forward() that also returns the post-RoPE k, v [B, Hk, T, hd] (prefill of a KV cache)."""
         B, T, D = x.shape
         q, k, v = self.qkv(x, rope, pos)
         if self.impl == "naive":
-            y = naive_causal_attention(q, k, v)
+            y = reference_attention(q, k, v, causal_mask(T, T, x.device))
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_heads != self.n_kv_heads)
         return self.wo(y.transpose(1, 2).reshape(B, T, D)), k, v
@@ -163,7 +152,7 @@ class Attention(nn.Module):
         cache.append(k, v, take)
         mask = cache.visible()  # [B, 1, Lc]
         Lc = mask.shape[-1]
-        y = masked_attention(q, cache.k[:, :, :Lc], cache.v[:, :, :Lc], mask)  # [B, Hq, 1, hd]
+        y = reference_attention(q, cache.k[:, :, :Lc], cache.v[:, :, :Lc], mask)  # [B, Hq, 1, hd]
         return self.wo(y.transpose(1, 2).reshape(B, 1, D))
 
 
@@ -178,54 +167,57 @@ class SwiGLU(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-class Block(nn.Module):
-    """Attention + MLP with ``norm='pre'`` (x + f(N(x))) or ``'post'`` (N(x + f(x)))."""
+# ---- residual placement and the block ---------------------------------------------------------------------
+def branch_input(x: torch.Tensor, norm: nn.Module, pre_norm: bool) -> torch.Tensor:
+    """What a residual branch f reads: N(x) with ``norm='pre'`` (x + f(N(x))), x with ``'post'`` (N(x + f(x)))."""
+    return norm(x) if pre_norm else x
 
-    def __init__(
-        self, d_model: int, n_heads: int, n_kv_heads: int, d_ff: int, qk_norm: bool, norm: str, attn_impl: str
-    ):
+
+def add_branch(x: torch.Tensor, y: torch.Tensor, norm: nn.Module, pre_norm: bool) -> torch.Tensor:
+    """The residual stream after a branch whose output is y: x + y (pre-norm) or N(x + y) (post-norm)."""
+    return x + y if pre_norm else norm(x + y)
+
+
+class Block(nn.Module):
+    """Attention + MLP with ``norm='pre'`` (x + f(N(x))) or ``'post'`` (N(x + f(x))), built from a family config.
+
+    The MLP may be replaced by one that returns ``(y, statistics)`` (MoDE's MoE): ``forward_with`` and
+    ``delta_with`` return those statistics beside their output (None for the SwiGLU).
+    """
+
+    def __init__(self, c: DenseConfig):
         super().__init__()
-        self.pre = norm == "pre"
-        self.attn = Attention(d_model, n_heads, n_kv_heads, qk_norm, attn_impl)
-        self.mlp = SwiGLU(d_model, d_ff)
-        self.norm1, self.norm2 = RMSNorm(d_model), RMSNorm(d_model)
+        self.pre_norm = c.norm == "pre"
+        self.attn = Attention(c)
+        self.mlp = SwiGLU(c.d_model, c.d_ff)
+        self.norm1, self.norm2 = RMSNorm(c.d_model), RMSNorm(c.d_model)
 
     def forward(self, x: torch.Tensor, rope: Rotary, pos: torch.Tensor | None = None) -> torch.Tensor:
         """x: [B, T, D] -> [B, T, D]."""
-        if self.pre:
-            x = x + self.attn(self.norm1(x), rope, pos)
-            return x + self.mlp(self.norm2(x))
-        x = self.norm1(x + self.attn(x, rope, pos))
-        return self.norm2(x + self.mlp(x))
+        return self.forward_with(x, lambda u: self.attn(u, rope, pos))[0]
 
-    def delta_with(self, x: torch.Tensor, attn_fn) -> torch.Tensor:
+    def forward_with(self, x: torch.Tensor, attn_fn):
+        """forward() with attention supplied by ``attn_fn`` (KV-cache prefill or decode): x [B, T, D] ->
+        (y [B, T, D], the MLP's statistics or None)."""
+        x = add_branch(x, attn_fn(branch_input(x, self.norm1, self.pre_norm)), self.norm1, self.pre_norm)
+        m, stats = self._mlp(branch_input(x, self.norm2, self.pre_norm))
+        return add_branch(x, m, self.norm2, self.pre_norm), stats
+
+    def delta_with(self, x: torch.Tensor, attn_fn):
         """The block's update WITHOUT the residual, f = block(x) - x, with attention supplied by ``attn_fn``
-        (cached decode, KV capture, gathered tokens). x: [B, T, D] -> f [B, T, D].
+        (cached decode, KV capture, gathered tokens). x: [B, T, D] -> (f [B, T, D], the MLP's statistics or None).
 
-        Pre-norm: f = a + mlp(N2(x + a)) with a = attn(N1(x)); f = 0 exactly when both branches output 0.
-        Post-norm: f = N2(h + mlp(h)) - x with h = N1(x + attn(x)), i.e. x + f is the post-norm block.
+        Pre-norm: f = a + mlp(N2(x + a)) with a = attn(N1(x)) (the sum of the branches, never x + f - x), so
+        f = 0 exactly when both branches output 0. Post-norm has no such form: f = block(x) - x.
         """
-        if self.pre:
-            a = attn_fn(self.norm1(x))
-            return a + self.mlp(self.norm2(x + a))
-        h = self.norm1(x + attn_fn(x))
-        return self.norm2(h + self.mlp(h)) - x
+        if not self.pre_norm:
+            y, stats = self.forward_with(x, attn_fn)
+            return y - x, stats
+        a = attn_fn(self.norm1(x))
+        m, stats = self._mlp(self.norm2(x + a))
+        return a + m, stats
 
-    def forward_with(self, x: torch.Tensor, attn_fn) -> torch.Tensor:
-        """forward() with attention supplied by ``attn_fn`` (KV-cache prefill or decode); same arithmetic."""
-        if self.pre:
-            x = x + attn_fn(self.norm1(x))
-            return x + self.mlp(self.norm2(x))
-        x = self.norm1(x + attn_fn(x))
-        return self.norm2(x + self.mlp(x))
-
-
-def sample(logits: torch.Tensor, temperature: float, top_k: int | None, generator=None) -> torch.Tensor:
-    """Next tokens for generation: logits [B, V] -> ids [B, 1]; temperature <= 0 is greedy, top_k filters."""
-    if temperature <= 0:
-        return logits.argmax(-1, keepdim=True)
-    logits = logits.float() / temperature
-    if top_k is not None:
-        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # [B, 1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator)
+    def _mlp(self, h: torch.Tensor):
+        """The MLP on its input h [B, T, D] -> (out [B, T, D], its statistics: a MoE's, or None)."""
+        out = self.mlp(h)
+        return out if isinstance(out, tuple) else (out, None)

@@ -115,8 +115,7 @@ class DenseLM(nn.Module):
                 nn.init.normal_(p, std=cfg.init_std / (2 * cfg.n_layers) ** 0.5)
 
     def make_block(self, layer: int) -> nn.Module:
-        c = self.cfg
-        return Block(c.d_model, c.n_heads, c.n_kv_heads, c.d_ff, c.qk_norm, c.norm, c.attn_impl)
+        return Block(self.cfg)
 
     def _init(self, m: nn.Module) -> None:
         if isinstance(m, (nn.Linear, nn.Embedding)):

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-from kernels.route_gather_scatter.op import route_gather, route_scatter_add
-from mixdepth.models.blocks import Block, KVCache, Rotary, sample
+from kernels.route_gather_scatter import route_gather, route_scatter_add
+from mixdepth.models.blocks import Block, Rotary
+from mixdepth.models.decoding import Decoder, KVCache
 from mixdepth.models.dense import DenseConfig, DenseLM, ModelConfigError
 from mixdepth.models.routing import (
     CausalPredictor,
@@ -122,6 +123,7 @@ class RouteInfo(NamedTuple):
     pred: torch.Tensor  # [B, T] fp32 predictor logits
     target: torch.Tensor | None  # [B, T] bool top-k membership (top-k mode)
     taken: torch.Tensor  # [B, T] bool tokens this layer processed
+    mlp: Any = None  # what the block's MLP returned beside its output (MoDE: the MoE's statistics), else None
 
 
 class RoutedBlock(nn.Module):
@@ -129,7 +131,7 @@ class RoutedBlock(nn.Module):
 
     def __init__(self, c: MoDConfig):
         super().__init__()
-        self.block = Block(c.d_model, c.n_heads, c.n_kv_heads, c.d_ff, c.qk_norm, c.norm, c.attn_impl)
+        self.block = Block(c)
         self.router = Router(c.d_model)
         self.predictor = CausalPredictor(c.d_model, c.predictor_hidden)
         self.capacity, self.gate, self.routing, self.causal = c.capacity, c.gate, c.routing, c.causal
@@ -162,11 +164,12 @@ class RoutedBlock(nn.Module):
             target = None
         xs = route_gather(x, idx, distinct=True)  # [B, k, D]; top-k and compact never repeat a position
         attn = partial(self._attend, rope=rope, pos=idx, cache=cache, valid=valid)
-        f = self.block.delta_with(xs, attn).to(x.dtype)  # [B, k, D] update without the residual
+        f, stats = self.block.delta_with(xs, attn)  # [B, k, D] update without the residual
+        f = f.to(x.dtype)
         w = self.weight(r.gather(1, idx))  # [B, k] fp32
         if valid is not None:
             w = torch.where(valid, w, 0.0)  # padding entries write x + 0
-        return route_scatter_add(x, idx, f, w, distinct=True), RouteInfo(r, p, target, taken)
+        return route_scatter_add(x, idx, f, w, distinct=True), RouteInfo(r, p, target, taken, stats)
 
     def _attend(self, u, *, rope, pos, cache, valid):
         """Attention over the gathered tokens at their original positions; fills ``cache`` when given."""
@@ -181,12 +184,15 @@ class RoutedBlock(nn.Module):
         """One new token per sequence, routed by the causal rule. x: [B, 1, D]; pos: [B, 1] -> [B, 1, D]."""
         r, p = self.router(x)[:, 0], self.predictor(x)[:, 0]  # [B]
         take = self.decide(r, p)  # [B]; only these append K/V to this layer's cache
-        f = self.block.delta_with(x, lambda u: self.block.attn.decode(u, rope, pos, cache, take))
+        f, _ = self.block.delta_with(x, lambda u: self.block.attn.decode(u, rope, pos, cache, take))
         y = x + self.weight(r)[:, None, None] * f.to(x.dtype)
         return torch.where(take[:, None, None], y.to(x.dtype), x)
 
 
-def _prefill_attn(u: torch.Tensor, attn, rope: Rotary, cache: KVCache) -> torch.Tensor:
+def _full_attn(u: torch.Tensor, attn, rope: Rotary, cache: KVCache | None) -> torch.Tensor:
+    """A full layer's attention over every token; fills ``cache`` when given (causal prefill)."""
+    if cache is None:
+        return attn(u, rope)
     a, k, v = attn.forward_kv(u, rope, None)
     cache.write_prefix(k, v, torch.full((u.shape[0],), u.shape[1], device=u.device))
     return a
@@ -196,8 +202,10 @@ def _decode_attn(u: torch.Tensor, attn, rope: Rotary, pos: torch.Tensor, cache: 
     return attn.decode(u, rope, pos, cache)
 
 
-class MoDLM(DenseLM):
-    """MoD decoder. ``route_mode`` ('topk' | 'causal', or forward's ``mode``) picks top-k or causal routing."""
+class MoDLM(Decoder, DenseLM):
+    """MoD decoder. ``route_mode`` ('topk' | 'causal', or forward's ``mode``) picks top-k or causal routing.
+
+    Generation (``Decoder.generate``) runs causal routing."""
 
     def __init__(self, cfg: MoDConfig):
         super().__init__(cfg)
@@ -206,31 +214,36 @@ class MoDLM(DenseLM):
     def make_block(self, layer: int) -> nn.Module:
         return RoutedBlock(self.cfg) if self.cfg.is_routed(layer) else super().make_block(layer)
 
-    def trunk(self, idx: torch.Tensor, mode: str, caches: list[KVCache] | None = None):
-        """idx [B, T] -> (final hidden [B, T, D], RouteInfo per routed layer); ``caches`` are prefilled."""
+    def trunk(self, idx: torch.Tensor, mode: str, cache: list[KVCache] | None = None):
+        """idx [B, T] -> (final hidden [B, T, D], RouteInfo per routed layer, the statistics MLPs returned beside
+        their outputs (MoDE's MoE layers) in layer order); ``cache`` (one KVCache per layer) is prefilled."""
         if mode not in MODES:
             raise ValueError(f"route mode must be one of {MODES}, got {mode!r}")
         x = self.embed(idx)  # [B, T, D]
-        infos = []
+        infos, stats = [], []
         for i, blk in enumerate(self.blocks):
-            cache = None if caches is None else caches[i]
+            c = None if cache is None else cache[i]
             if isinstance(blk, RoutedBlock):
-                x, info = blk(x, self.rope, mode, cache)
+                x, info = blk(x, self.rope, mode, c)
                 infos.append(info)
-            elif cache is None:
-                x = blk(x, self.rope)
+                st = info.mlp
             else:
-                x = blk.forward_with(x, partial(_prefill_attn, attn=blk.attn, rope=self.rope, cache=cache))
-        return x, infos
+                x, st = blk.forward_with(x, partial(_full_attn, attn=blk.attn, rope=self.rope, cache=c))
+            if st is not None:
+                stats.append(st)
+        return x, infos, stats
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, mode: str | None = None):
-        """idx [B, T] -> logits [B, T, V]; with targets [B, T], the training objective: LM loss +
-        aux_weight·router BCE + predictor BCE (top-k mode, layer means; random routing skips the router BCE,
-        whose targets are noise there); causal mode has no top-k targets and returns the LM loss."""
-        x, infos = self.trunk(idx, mode or self.route_mode)
+        """idx [B, T] -> logits [B, T, V]; with targets [B, T], the training objective (``with_aux_losses``)."""
+        mode = mode or self.route_mode
+        x, infos, stats = self.trunk(idx, mode)
         if targets is None:
             return self.head_loss(x)  # [B, T, V]
-        loss = self.head_loss(x, targets)
+        return self.with_aux_losses(self.head_loss(x, targets), infos, stats, mode)
+
+    def with_aux_losses(self, loss: torch.Tensor, infos: list[RouteInfo], stats: list, mode: str) -> torch.Tensor:
+        """LM loss + aux_weight·router BCE + predictor BCE (top-k mode, layer means; random routing skips the
+        router BCE, whose targets are noise there); causal mode has no top-k targets: the LM loss alone."""
         infos = [i for i in infos if i.target is not None]
         if infos:
             if self.cfg.routing == "learned":
@@ -240,19 +253,23 @@ class MoDLM(DenseLM):
 
     # ---- held-out statistics ----------------------------------------------------------------------
     def _lm(self, idx, targets, mode):
-        x, infos = self.trunk(idx, mode)
-        return self.head_loss(x, targets), infos
+        x, infos, stats = self.trunk(idx, mode)
+        return self.head_loss(x, targets), infos, stats
 
     @torch.no_grad()
     def eval_sums(self, idx: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
         """Additive sums: LM loss under top-k and (with a MoD router) causal routing; per causal rule (aux,
         mlp) the confusion of its decision vs top-k membership on the top-k pass; routed token-layer slots
         under both routings."""
+        return self._sums(idx, targets)[0]
+
+    def _sums(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple[dict[str, torch.Tensor], list]:
+        """eval_sums' dict and the MLP statistics of its top-k pass (MoDE sums those too)."""
         n = targets.numel()
-        loss, infos = self._lm(idx, targets, "topk")
+        loss, infos, stats = self._lm(idx, targets, "topk")
         out = {"loss_sum": loss * n, "tokens": torch.tensor(n)}
         if infos:  # with no MoD router (integrated MoDE) causal routing would repeat the same pass
-            loss_c, cinfos = self._lm(idx, targets, "causal")
+            loss_c, cinfos, _ = self._lm(idx, targets, "causal")
             out["loss_causal_sum"] = loss_c * n
             out["route_slots"] = torch.tensor(n * len(infos))
             out["topk_routed"] = sum(i.taken.sum() for i in infos)
@@ -261,7 +278,7 @@ class MoDLM(DenseLM):
                 cm = [confusion(getattr(i, field) > 0, i.target) for i in infos]
                 for key in ("tp", "fp", "fn", "tn"):
                     out[f"{rule}_{key}"] = sum(c[key] for c in cm)
-        return out
+        return out, stats
 
     def eval_summary(self, sums: dict[str, float]) -> dict[str, float]:
         """val_loss, val_loss_causal; predictor_accuracy / precision / recall of the configured causal rule
@@ -287,50 +304,24 @@ class MoDLM(DenseLM):
         out["topk_capacity"] = sums["topk_routed"] / slots
         return out
 
-    # ---- generation -------------------------------------------------------------------------------
-    def new_caches(self, batch: int, max_len: int) -> list[KVCache]:
+    # ---- generation (Decoder) ----------------------------------------------------------------------
+    def new_cache(self, batch: int, max_len: int) -> list[KVCache]:
+        """One KVCache per layer: full layers hold every token, routed layers the tokens they process."""
         c, w = self.cfg, self.embed.weight
         return [KVCache(batch, c.n_kv_heads, max_len, c.head_dim, w.device, w.dtype) for _ in self.blocks]
 
-    def prefill(self, idx: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
-        """Causal-mode forward of a prompt idx [B, T0] filling ``caches`` -> logits [B, T0, V]."""
-        x, _ = self.trunk(idx, "causal", caches)
-        return self.head_loss(x)
+    def prefill(self, idx: torch.Tensor, cache: list[KVCache]) -> torch.Tensor:
+        """Causal-mode forward of a prompt idx [B, T0] filling ``cache`` -> logits [B, T0, V]."""
+        return self.head_loss(self.trunk(idx, "causal", cache)[0])
 
-    def decode_step(self, tok: torch.Tensor, pos: int, caches: list[KVCache]) -> torch.Tensor:
+    def decode_step(self, tok: torch.Tensor, pos: int, cache: list[KVCache]) -> torch.Tensor:
         """tok [B, 1] at position ``pos`` -> logits [B, V]; full layers cache every token, routed layers
         only the tokens their causal rule routes."""
         x = self.embed(tok)  # [B, 1, D]
         p = torch.full_like(tok, pos)  # [B, 1]
-        for blk, cache in zip(self.blocks, caches, strict=True):
+        for blk, c in zip(self.blocks, cache, strict=True):
             if isinstance(blk, RoutedBlock):
-                x = blk.decode(x, self.rope, p, cache)
+                x = blk.decode(x, self.rope, p, c)
             else:
-                x = blk.forward_with(x, partial(_decode_attn, attn=blk.attn, rope=self.rope, pos=p, cache=cache))
+                x, _ = blk.forward_with(x, partial(_decode_attn, attn=blk.attn, rope=self.rope, pos=p, cache=c))
         return self.head_loss(x)[:, 0]
-
-    @torch.no_grad()
-    def generate(
-        self,
-        idx: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        generator: torch.Generator | None = None,
-    ) -> torch.Tensor:
-        """Sample continuations under causal routing. idx [B, T0] -> [B, T0 + max_new_tokens].
-
-        temperature <= 0 is greedy; top_k keeps the k most likely tokens before sampling.
-        """
-        B, T0 = idx.shape
-        if T0 + max_new_tokens - 1 > self.cfg.seq_len:
-            raise ValueError(f"prompt {T0} + {max_new_tokens} new tokens exceeds seq_len {self.cfg.seq_len} (RoPE)")
-        caches = self.new_caches(B, T0 + max_new_tokens)
-        logits = self.prefill(idx, caches)[:, -1]  # [B, V]
-        out = [idx]
-        for i in range(max_new_tokens):
-            nxt = sample(logits, temperature, top_k, generator)  # [B, 1]
-            out.append(nxt)
-            if i + 1 < max_new_tokens:
-                logits = self.decode_step(nxt, T0 + i, caches)
-        return torch.cat(out, dim=1)

@@ -14,7 +14,8 @@ Design choices (see the docstrings below for the why):
 * RoPE on depth keys: a slot lives at the query's own position t and q is rotated at t, so every depth key
   is rotated at t too (the reused attention K already is). Then q_t . k_t is position-free, exactly as if
   neither were rotated; an unrotated depth key would make the depth logits depend on absolute position.
-* Depth slots live once in a preallocated buffer ``[n_slots, B, Hk, T, hd]`` (see ``DepthStore``).
+* Depth slots live once in a preallocated buffer ``[n_slots, B, Hk, T, hd]`` (see ``DepthStore``); without
+  autograd and with a depth window S, in a buffer of S + slots-per-block rows.
 """
 
 from __future__ import annotations
@@ -28,7 +29,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.moda_attn import moda_attn, moda_attn_naive
-from mixdepth.models.blocks import Attention, RMSNorm, Rotary, SwiGLU, sample
+from mixdepth.models.blocks import (
+    Attention,
+    RMSNorm,
+    Rotary,
+    SwiGLU,
+    add_branch,
+    branch_input,
+    causal_mask,
+    reference_attention,
+)
+from mixdepth.models.decoding import Decoder
 from mixdepth.models.dense import DenseConfig, DenseLM, ModelConfigError
 
 DEPTH_KV = ("attn", "attn+ffn", "attn+ffn+extra")
@@ -72,6 +83,14 @@ class MoDAConfig(DenseConfig):
     def n_slots(self) -> int:
         """Depth buffer size: every slot written before the last layer's attention."""
         return self.depth_range(self.n_layers - 1)[1]
+
+    @property
+    def live_slots(self) -> int:
+        """Slots held at once without autograd: with a depth window S, S + slots per block (a layer's window and
+        the block's own slots, written before its read), at most n_slots; all of them without a window."""
+        if not self.depth_window:
+            return self.n_slots
+        return min(self.n_slots, self.depth_window + len(self.slot_kinds))
 
     def same_as_dense(self) -> str | None:
         return "no layer reads a depth slot" if self.n_slots == 0 else None
@@ -214,42 +233,78 @@ class _SlotRead(torch.autograd.Function):
 
 
 class DepthStore:
-    """Preallocated depth K/V buffers ``[n_slots, B, Hk, T, hd]``, each slot written once, read as views.
+    """Preallocated depth K/V buffers ``[rows, B, Hk, T, hd]``, each slot written once, read as views.
 
-    Memory is O(L) slots: the buffers hold each slot once, and reads are strided prefix (or window) views
-    handed to the attention (the Triton kernel reads them in place). With autograd on, two gradient buffers
-    of the same shape (``SlotGrads``, allocated in the backward pass) collect every read's depth gradient
-    (one add or write per buffer and read, or none: the kernel does it in place), and each slot's write hands
-    its sum on once: O(L) ops per step, not one per (slot, read). They use the slot dtype, not fp32: autograd
-    summed these gradients in that dtype before (so no precision is lost; the kernel even adds its fp32 values with one
-    rounding per read), and bf16 halves their memory and every read's add traffic. The slot buffers are
-    allocated on the first write (dtype and shape of that slot); ``allocations`` counts them (2). Slot-major:
-    each slot is one contiguous ``[B, Hk, T, hd]`` block, the layout the compiled projections write k, v in, so
-    a write is a plain copy, a slot's summed gradient is handed on as a contiguous tensor, and a read is a
-    ``[B, Hk, T, S, hd]`` view with strides the kernels take as they are.
+    With autograd on (training) the buffers hold every slot (rows = n_slots): memory is O(L) slots, each held
+    once, and reads are strided prefix (or window) views handed to the attention (the Triton kernel reads them
+    in place). Two gradient buffers of the same shape (``SlotGrads``, allocated in the backward pass) collect
+    every read's depth gradient (one add or write per buffer and read, or none: the kernel does it in place),
+    and each slot's write hands its sum on once: O(L) ops per step, not one per (slot, read). They use the slot
+    dtype, not fp32: autograd summed these gradients in that dtype before (so no precision is lost; the kernel
+    even adds its fp32 values with one rounding per read), and bf16 halves their memory and every read's add
+    traffic.
+
+    Without autograd (evaluation, prefill, generation) a slot is dead after its last read, so with a depth
+    window S the buffers have only ``live`` = S + slots-per-block rows (paper Sec. 6.2): rows hold the slots
+    ``base, base + 1, ...``; a write that finds no free row first moves the slots a later read may still need
+    (from ``release``'s bound on) to the front. Reads stay views of one contiguous row range. Identical values:
+    writes are the same copies, reads the same slots.
+
+    The buffers are allocated on the first write (dtype and shape of that slot, which also decides the mode);
+    ``allocations`` counts them (2). Slot-major: each slot is one contiguous ``[B, Hk, T, hd]`` block, the layout
+    the compiled projections write k, v in, so a write is a plain copy, a slot's summed gradient is handed on as
+    a contiguous tensor, and a read is a ``[B, Hk, T, S, hd]`` view with strides the kernels take as they are.
     """
 
-    def __init__(self, n_slots: int):
+    def __init__(self, n_slots: int, live: int | None = None):
         self.n_slots = n_slots
+        self.live = n_slots if live is None else live  # rows without autograd
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
+        self.autograd = False  # decided by the first write
         self.grad: SlotGrads | None = None  # with autograd on
-        self.tokens: list[torch.Tensor | None] = [None] * n_slots
-        self.src_k: list[torch.Tensor | None] = [None] * n_slots  # the tensors written, for inspection
+        self.tokens: list[torch.Tensor | None] = [None] * n_slots  # with autograd on
+        self.written = [False] * n_slots
+        self.src_k: list[torch.Tensor | None] = [None] * n_slots  # the tensors written (autograd on), for inspection
         self.src_v: list[torch.Tensor | None] = [None] * n_slots
         self.allocations = 0
+        self.base = 0  # the slot in row 0 (without autograd)
+        self.floor = 0  # no later read needs a slot below this one
+
+    def release(self, lo: int) -> None:
+        """No later read needs the slots below lo (read windows only move forward): without autograd their rows
+        may be reused."""
+        self.floor = max(self.floor, lo)
 
     @torch.compiler.disable  # aliasing storage is opaque to aot_autograd: run store ops eagerly, graph-break
     def write(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [B, Hk, T, hd] into slot i."""
-        shape = (self.n_slots, *k.shape)
         if self.k is None:
+            self.autograd = torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)
+            shape = (self.n_slots if self.autograd else self.live, *k.shape)
             self.k, self.v = k.new_empty(shape), v.new_empty(shape)
             self.allocations += 2
-        if self.grad is None and torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
-            self.grad = SlotGrads(k.new_empty(0), v.new_empty(0), shape)
-        self.tokens[i] = _SlotWrite.apply(self, i, k, v)
-        self.src_k[i], self.src_v[i] = k, v
+            if self.autograd:
+                self.grad = SlotGrads(k.new_empty(0), v.new_empty(0), shape)
+        self.written[i] = True
+        if self.autograd:
+            self.tokens[i] = _SlotWrite.apply(self, i, k, v)
+            self.src_k[i], self.src_v[i] = k, v
+            return
+        if i - self.base >= self.k.shape[0]:
+            self._shift()
+        if i - self.base >= self.k.shape[0]:
+            raise RuntimeError(f"depth store: slot {i} does not fit {self.k.shape[0]} rows from slot {self.floor}")
+        self.k[i - self.base].copy_(k)
+        self.v[i - self.base].copy_(v)
+
+    def _shift(self) -> None:
+        """Moves the slots from ``floor`` on to the front rows, in order (a row is read before it is overwritten)."""
+        s = self.floor - self.base
+        for r in range(self.k.shape[0] - s):
+            self.k[r].copy_(self.k[s + r])
+            self.v[r].copy_(self.v[s + r])
+        self.base = self.floor
 
     @torch.compiler.disable
     def read(self, lo: int, hi: int):
@@ -259,7 +314,10 @@ class DepthStore:
         vd's gradients itself instead of returning them; (None, None, None) when empty."""
         if hi <= lo:
             return None, None, None
-        assert all(t is not None for t in self.tokens[lo:hi]), "reading an unwritten depth slot"
+        assert all(self.written[lo:hi]), "reading an unwritten depth slot"
+        if not self.autograd:
+            assert lo >= self.base, "reading a released depth slot"
+            return _slots(self.k, lo - self.base, hi - self.base), _slots(self.v, lo - self.base, hi - self.base), None
         grad = None if self.grad is None else partial(self.grad.request, lo, hi)
         return *_SlotRead.apply(self, lo, hi, *self.tokens[lo:hi]), grad
 
@@ -280,30 +338,6 @@ def joint_attention(q, k, v, kd, vd, impl: str, depth_grad: Callable[[], tuple] 
     if kd is None:  # no depth slots (layer 0): plain causal attention
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
     return moda_attn(q, k, v, kd, vd, depth_grad_acc=depth_grad)
-
-
-def cached_joint_attention(q, k, v, kd, vd, start: int) -> torch.Tensor:
-    """Joint attention for a chunk of queries at positions start..start+n-1 over a sequence KV cache.
-
-    q: [B, Hq, n, hd]; k, v: [B, Hk, start+n, hd] (cache prefix incl. the chunk); kd, vd: [B, Hk, n, S, hd]
-    (the chunk's in-flight depth slots) or None -> [B, Hq, n, hd]. fp32, like the reference.
-    """
-    B, Hq, n, hd = q.shape
-    G = Hq // k.shape[1]
-    qf = q.float()
-    kf, vf = k.float().repeat_interleave(G, 1), v.float().repeat_interleave(G, 1)  # [B, Hq, P, hd]
-    logits = qf @ kf.transpose(-1, -2) * hd**-0.5  # [B, Hq, n, P]
-    P = k.shape[2]
-    visible = torch.arange(P, device=q.device)[None, :] <= torch.arange(start, start + n, device=q.device)[:, None]
-    logits = logits.masked_fill(~visible, float("-inf"))
-    if kd is not None:
-        kdf, vdf = kd.float().repeat_interleave(G, 1), vd.float().repeat_interleave(G, 1)  # [B, Hq, n, S, hd]
-        logits = torch.cat([logits, torch.einsum("bhtd,bhtsd->bhts", qf, kdf) * hd**-0.5], -1)
-    p = logits.softmax(-1)  # one shared denominator
-    o = p[..., :P] @ vf
-    if kd is not None:
-        o = o + torch.einsum("bhts,bhtsd->bhtd", p[..., P:], vdf)
-    return o.to(v.dtype)
 
 
 class DepthKV(nn.Module):
@@ -332,7 +366,7 @@ class MoDABlock(nn.Module):
         super().__init__()
         c = cfg
         self.pre_norm, self.impl = c.norm == "pre", c.attn_impl
-        self.attn = Attention(c.d_model, c.n_heads, c.n_kv_heads, c.qk_norm, c.attn_impl)
+        self.attn = Attention(c)
         self.mlp = SwiGLU(c.d_model, c.d_ff)
         self.norm1, self.norm2 = RMSNorm(c.d_model), RMSNorm(c.d_model)
         self.reads = c.depth_range(layer)
@@ -353,7 +387,7 @@ class MoDABlock(nn.Module):
 
     def pre(self, x: torch.Tensor, rope: Rotary, pos: torch.Tensor | None):
         """The attention's inputs: x [B, T, D] -> q [B, T, Hq, hd], k, v [B, Hk, T, hd], extra K/V or None."""
-        h = self.norm1(x) if self.pre_norm else x
+        h = branch_input(x, self.norm1, self.pre_norm)
         q, k, v = self.attn.qkv(h, rope, pos)
         extra = self.extra_kv(h, rope, pos) if self.extra_kv is not None else None
         # QK-norm's fp32 weight can promote q, k under autocast. q as contiguous [B, T, Hq, hd], the projections'
@@ -372,26 +406,26 @@ class MoDABlock(nn.Module):
         slots written by earlier blocks (``depth_range``). q: [B, T, Hq, hd]. With ``cache`` = (k_cache, v_cache)
         [B, Hk, T_max, hd], q holds positions start..start+T-1 and attends over the cached prefix."""
         q = q.transpose(1, 2)  # [B, Hq, T, hd] view
+        store.release(self.reads[0])
         self._write(store, k, v, extra, pending)
         kd, vd, dkv = store.read(*self.reads)
         if cache is None:
             return joint_attention(q, k, v, kd, vd, self.impl, dkv)
         kc, vc = cache
-        T = q.shape[2]
-        kc[:, :, start : start + T], vc[:, :, start : start + T] = k, v
-        return cached_joint_attention(q, kc[:, :, : start + T], vc[:, :, : start + T], kd, vd, start)
+        T, P = q.shape[2], start + q.shape[2]
+        kc[:, :, start:P], vc[:, :, start:P] = k, v
+        return reference_attention(q, kc[:, :, :P], vc[:, :, :P], causal_mask(T, P, q.device), kd, vd)
 
     def post(self, x: torch.Tensor, y: torch.Tensor, rope: Rotary, pos: torch.Tensor | None):
         """Output projection, residual and FFN: (x, y [B, Hq, T, hd]) -> (x [B, T, D], FFN slot K/V or None)."""
         B, T, D = x.shape
-        a = self.attn.wo(y.transpose(1, 2).reshape(B, T, D))
-        x = x + a if self.pre_norm else self.norm1(x + a)
-        h = self.norm2(x) if self.pre_norm else x  # the FFN input, projected into this block's FFN slot
+        x = add_branch(x, self.attn.wo(y.transpose(1, 2).reshape(B, T, D)), self.norm1, self.pre_norm)
+        h = branch_input(x, self.norm2, self.pre_norm)  # the FFN input, projected into this block's FFN slot
         pending = self.ffn_kv(h, rope, pos) if self.ffn_kv is not None else None
-        return (x + self.mlp(h) if self.pre_norm else self.norm2(x + self.mlp(h))), pending
+        return add_branch(x, self.mlp(h), self.norm2, self.pre_norm), pending
 
 
-class MoDALM(DenseLM):
+class MoDALM(Decoder, DenseLM):
     """Decoder-only LM with MoDA attention. forward(idx [B, T], targets=None) -> logits [B, T, V] or loss."""
 
     cfg: MoDAConfig
@@ -405,7 +439,7 @@ class MoDALM(DenseLM):
         Between two attentions runs ONE function, ``_between`` (block l's output projection and FFN, then block
         l+1's Q/K/V), and ``_first`` (embedding, block 0's Q/K/V) before the first: each residual stream x is
         made and first read in one function, so under ``compile`` its gradient sums inside compiled code."""
-        store = DepthStore(self.cfg.n_slots)
+        store = DepthStore(self.cfg.n_slots, self.cfg.live_slots)
         pos = None
         if cache is not None:
             pos = torch.arange(start, start + idx.shape[1], device=idx.device).expand(idx.shape[0], -1)  # [B, T]
@@ -438,39 +472,17 @@ class MoDALM(DenseLM):
         self._between = torch.compile(self._between, *args, **kwargs)
         self.head_loss = torch.compile(self.head_loss, *args, **kwargs)
 
-    # ---- decoding -----------------------------------------------------------------------------------
-    def new_cache(self, batch: int, max_len: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    # ---- decoding (Decoder) -------------------------------------------------------------------------
+    def new_cache(self, batch: int, max_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (k, v) sequence caches [B, Hk, max_len, hd]; depth slots are never cached (in-flight)."""
         c, w = self.cfg, self.embed.weight
-        shape = (batch, c.n_kv_heads, max_len or c.seq_len, c.head_dim)
+        shape = (batch, c.n_kv_heads, max_len, c.head_dim)
         return [(w.new_zeros(shape), w.new_zeros(shape)) for _ in range(c.n_layers)]
 
-    @torch.no_grad()
-    def step(self, idx: torch.Tensor, cache: list, start: int) -> torch.Tensor:
-        """Tokens idx [B, n] at positions start..start+n-1 (prefill or one token) -> logits [B, n, V]."""
-        if start + idx.shape[1] > self.cfg.seq_len:
-            raise ValueError(f"position {start + idx.shape[1] - 1} is beyond seq_len={self.cfg.seq_len}")
-        return self.head_loss(self.trunk(idx, cache, start)[0])
+    def prefill(self, idx: torch.Tensor, cache: list) -> torch.Tensor:
+        """Prompt idx [B, T0] at positions 0..T0-1, filling ``cache`` -> logits [B, T0, V]."""
+        return self.head_loss(self.trunk(idx, cache, 0)[0])
 
-    @torch.no_grad()
-    def generate(
-        self,
-        idx: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        generator: torch.Generator | None = None,
-    ) -> torch.Tensor:
-        """Sample ``max_new_tokens`` after idx [B, T0] -> [B, T0 + max_new_tokens]; temperature 0 = greedy."""
-        B, T0 = idx.shape
-        if T0 + max_new_tokens > self.cfg.seq_len:
-            raise ValueError(f"prompt {T0} + {max_new_tokens} new tokens exceeds seq_len={self.cfg.seq_len}")
-        cache = self.new_cache(B, T0 + max_new_tokens)
-        logits = self.step(idx, cache, 0)[:, -1]  # [B, V]
-        out = [idx]
-        for i in range(max_new_tokens):
-            nxt = sample(logits, temperature, top_k, generator)  # [B, 1]
-            out.append(nxt)
-            if i + 1 < max_new_tokens:
-                logits = self.step(nxt, cache, T0 + i)[:, -1]
-        return torch.cat(out, 1)
+    def decode_step(self, tok: torch.Tensor, pos: int, cache: list) -> torch.Tensor:
+        """tok [B, 1] at position ``pos`` over the cached prefix -> logits [B, V]."""
+        return self.head_loss(self.trunk(tok, cache, pos)[0])[:, 0]

@@ -36,7 +36,7 @@ import torch
 from mixdepth.models.blocks import Block
 from mixdepth.models.dense import DenseConfig, DenseLM, ModelConfigError
 from mixdepth.models.mod import MoDConfig, MoDLM, RoutedBlock
-from mixdepth.models.moe import ROUTINGS, MoE, expert_tokens
+from mixdepth.models.moe import ROUTINGS, MoE, MoEStats, expert_tokens
 
 VARIANTS = ("staged", "integrated")
 
@@ -162,58 +162,49 @@ def make_moe(c: MoDEConfig) -> MoE:
 
 
 class StagedBlock(RoutedBlock):
-    """An MoD RoutedBlock whose MLP is the MoE: it sees only the k gathered tokens ([B, k, D])."""
+    """An MoD RoutedBlock whose MLP is the MoE: it sees only the k gathered tokens ([B, k, D]); its statistics
+    come back in the RouteInfo (``mlp``)."""
 
     def __init__(self, c: MoDEConfig):
         super().__init__(c)
-        self.block.mlp = make_moe(c)
+        self.block.mlp = make_moe(c)  # after the router and predictor: the init order the weights depend on
+
+
+def moe_block(c: MoDEConfig) -> Block:
+    """Integrated MoDE layer: full attention, MoE MLP with no-op experts (forward_with returns its statistics)."""
+    blk = Block(c)
+    blk.mlp = make_moe(c)
+    return blk
 
 
 class MoDELM(MoDLM):
     """MoDE decoder (variant staged | integrated). forward(idx, targets) adds the MoE aux losses (top-k mode)."""
 
-    def __init__(self, cfg: MoDEConfig):
-        super().__init__(cfg)
-        self._moes = [m for m in self.modules() if isinstance(m, MoE)]  # plain list: not re-registered
-        self._eval_stats = []
-
     def make_block(self, layer: int):
         c = self.cfg
         if not c.is_routed(layer):
             return DenseLM.make_block(self, layer)
-        if c.staged:
-            return StagedBlock(c)
-        blk = Block(c.d_model, c.n_heads, c.n_kv_heads, c.d_ff, c.qk_norm, c.norm, c.attn_impl)
-        blk.mlp = make_moe(c)  # full attention, MoE MLP with no-op experts
-        return blk
+        return StagedBlock(c) if c.staged else moe_block(c)
 
-    def aux_loss(self) -> torch.Tensor:
-        """lb_weight·mean(lb) + z_weight·mean(z) over the MoE layers of the latest forward."""
-        st = [m.stats for m in self._moes]
-        lb = sum(s.lb for s in st) / len(st)
-        z = sum(s.z for s in st) / len(st)
+    def aux_loss(self, stats: list[MoEStats]) -> torch.Tensor:
+        """lb_weight·mean(lb) + z_weight·mean(z) over the MoE layers of one forward."""
+        lb = sum(s.lb for s in stats) / len(stats)
+        z = sum(s.z for s in stats) / len(stats)
         return self.cfg.lb_weight * lb + self.cfg.z_weight * z
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, mode: str | None = None):
-        """As MoDLM.forward; with targets in top-k mode the MoE aux losses are added to the objective."""
-        out = super().forward(idx, targets, mode=mode)
-        if targets is None or (mode or self.route_mode) != "topk" or not self._moes:
-            return out
-        return out + self.aux_loss()
+    def with_aux_losses(self, loss: torch.Tensor, infos: list, stats: list[MoEStats], mode: str) -> torch.Tensor:
+        """MoD's objective; in top-k mode, plus the MoE aux losses."""
+        loss = super().with_aux_losses(loss, infos, stats, mode)
+        if mode != "topk" or not stats:
+            return loss
+        return loss + self.aux_loss(stats)
 
     # ---- held-out statistics ----------------------------------------------------------------------
-    def _lm(self, idx, targets, mode):
-        loss, infos = super()._lm(idx, targets, mode)
-        if mode == "topk":  # expert statistics of the top-k pass (the trained routing)
-            self._eval_stats = [m.stats for m in self._moes]
-        return loss, infos
-
     @torch.no_grad()
     def eval_sums(self, idx: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
-        """MoD's sums plus, over MoE layers of the top-k pass: input tokens, pick slots, real assignments,
-        tokens without a real assignment, and the real assignments per expert."""
-        out = super().eval_sums(idx, targets)
-        st = self._eval_stats
+        """MoD's sums plus, over MoE layers of the top-k pass (the trained routing): input tokens, pick slots,
+        real assignments, tokens without a real assignment, and the real assignments per expert."""
+        out, st = self._sums(idx, targets)
         if st:
             out["moe_tokens"] = torch.tensor(float(sum(s.tokens for s in st)))
             out["moe_slots"] = torch.tensor(float(sum(s.slots for s in st)))

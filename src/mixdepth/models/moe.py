@@ -50,7 +50,7 @@ class MoEStats(NamedTuple):
 
 
 class MoE(nn.Module):
-    """x [B, N, D] -> [B, N, D]; the latest call's aux losses and loads are left in ``self.stats``."""
+    """x [B, N, D] -> (y [B, N, D], MoEStats of this call: aux losses and loads)."""
 
     def __init__(
         self,
@@ -72,7 +72,6 @@ class MoE(nn.Module):
         self.w1 = nn.Parameter(torch.randn(E, D, Fe) * init_std)  # gate
         self.w3 = nn.Parameter(torch.randn(E, D, Fe) * init_std)  # up
         self.w2 = nn.Parameter(torch.randn(E, Fe, D) * out_std)  # down (depth-scaled like the dense w2)
-        self.stats: MoEStats | None = None
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, D] -> router logits [N, E_tot] fp32 (autocast off: the logits decide the picks)."""
@@ -102,7 +101,7 @@ class MoE(nn.Module):
             w, lb = w.flatten(), logits.new_zeros(())
         return tok, e, w, lb, z
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, MoEStats]:
         B, N, D = x.shape
         tok, e, w, lb, z = self.route(x)
         # the kernel wants one dtype: autocast's (as nn.Linear would use), else the input's
@@ -114,5 +113,5 @@ class MoE(nn.Module):
             real = (e >= 0).float()  # [M]
             load = torch.zeros(self.n_experts, device=x.device).index_add_(0, e.clamp(min=0), real)
             got = torch.zeros(B * N, device=x.device).index_add_(0, tok, real)  # real picks per token
-            self.stats = MoEStats(lb, z, load, B * N, B * N * self.top_k, (got == 0).sum())
-        return out.view(B, N, D)
+            stats = MoEStats(lb, z, load, B * N, B * N * self.top_k, (got == 0).sum())
+        return out.view(B, N, D), stats

@@ -114,3 +114,18 @@ def test_add_run_is_atomic_and_checks_columns(tmp_path):
             results.add_run(con, bad, [])
     results.add_run(con, {"run_id": "r4", "arch": "dense", "status": "ok"}, [])  # partial rows: the rest NULL
     assert con.execute("SELECT arch, val_loss FROM runs WHERE run_id = 'r4'").fetchone() == ("dense", None)
+
+
+def test_a_metric_added_later_reaches_an_older_database(tmp_path):
+    """A RunMetrics field added after a database was made: connect gives its runs table the column (NULL for the
+    rows stored before) and new runs store it; nothing else changes."""
+    path = tmp_path / "r.db"
+    con = results.connect(path)
+    results.add_run(con, record("old"), [])
+    con.execute("ALTER TABLE runs DROP COLUMN mfu")  # the database as made before mfu was a metric
+    con.close()
+    con = results.connect(path)
+    assert "mfu" in [r[0] for r in con.execute("DESCRIBE runs").fetchall()]
+    results.add_run(con, record("new", mfu=0.41), [])
+    rows = con.execute("SELECT run_id, mfu, val_loss FROM runs ORDER BY run_id").fetchall()
+    assert rows == [("new", 0.41, 2.5), ("old", None, 2.5)]

@@ -170,12 +170,22 @@ def connect(path: str | os.PathLike, read_only: bool = False) -> duckdb.DuckDBPy
         try:
             con.execute("BEGIN")
             con.execute(DDL)
+            _add_missing_columns(con)
             con.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
             con.execute("COMMIT")
         except duckdb.Error as e:
             con.close()
             raise StoreError(f"database {p} has an incompatible schema: {_first_line(e)}") from None
     return con
+
+
+def _add_missing_columns(con: duckdb.DuckDBPyConnection) -> None:
+    """Give an existing ``runs`` table the record's columns it lacks (a metric added to ``RunMetrics`` after the
+    database was made), at the end of the table, NULL for the runs stored before; writes name their columns."""
+    have = {r[0] for r in con.execute("SELECT name FROM pragma_table_info('runs')").fetchall()}
+    for name, sql_type in RUN_COLUMNS.items():
+        if name not in have:
+            con.execute(f"ALTER TABLE runs ADD COLUMN {name} {sql_type}")
 
 
 def _json(v: Any) -> Any:

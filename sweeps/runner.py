@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import os
 import signal
+import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, replace
@@ -122,8 +124,9 @@ def _record(con, sid: str, lab: LabConfig, t: Trial, res: RunResult, tag: str = 
     """Store a finished run (row and curve in one transaction) and print its result line."""
     m = res.metrics
     results.add_run(con, run_record(sid, t, lab, m), res.curve)
-    print(f"    {tag}val_loss={m.val_loss:.4f} ({m.wall_s:.1f}s, {m.tokens_per_s:,.0f} tok/s)", flush=True)
-    return m.val_loss
+    loss = "diverged (loss not finite)" if m.val_loss is None else f"{m.val_loss:.4f}"
+    print(f"    {tag}val_loss={loss} ({m.wall_s:.1f}s, {m.tokens_per_s:,.0f} tok/s)", flush=True)
+    return math.inf if m.val_loss is None else m.val_loss  # Optuna needs a number; the store holds NULL
 
 
 def _run(lab: LabConfig, paths: SweepPaths, con, sid: str, preset: str, trials: list[Trial], gpus: list[str]) -> int:
@@ -149,6 +152,17 @@ def _run(lab: LabConfig, paths: SweepPaths, con, sid: str, preset: str, trials: 
     elif todo:
         study.optimize(objective, n_trials=len(todo), catch=())
     print(f"trained {len(todo)} runs in {time.perf_counter() - start:.0f}s")
+
+    n_div, n_ok = con.execute(
+        "SELECT count(*) FILTER (WHERE status = 'diverged'), count(*) FILTER (WHERE status = 'ok')"
+        " FROM runs WHERE sweep_id = ?",
+        [sid],
+    ).fetchone()
+    if n_div:
+        print(f"{n_div} of {n_div + n_ok} runs diverged (a loss not finite): stored with NULL losses, not fitted")
+    if not n_ok:
+        print(f"error: no run of sweep {sid} has a finite loss, nothing to fit; lower train.lr", file=sys.stderr)
+        return 1
 
     from analysis.pipeline import run_all
 

@@ -5,6 +5,7 @@ import subprocess
 import sys
 import time
 
+import duckdb
 import pytest
 
 from mixdepth import results
@@ -110,3 +111,35 @@ def test_unknown_preset_and_unknown_command(cli):
     assert_clean_failure(r, "unknown preset", 2)
     r = cli("sweeps", "nonsense")
     assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+DIVERGING = [
+    "sweep.name=nan",
+    "sweep.archs=[dense,mod]",
+    "sweep.budgets=[1e9]",
+    "sweep.ladder=[{d_model: 32, n_layers: 2, n_heads: 2}]",
+    "sweep.min_steps=4",
+    "sweep.workers=1",
+    "train.batch_size=4",
+    "train.progress=false",
+    "train.lr=1e3",  # every run's loss is NaN after one step
+    *SMALL,
+]
+
+
+def test_diverged_runs_are_stored_as_diverged_never_as_a_loss(cli, tmp_path):
+    """Runs whose loss goes NaN are stored status 'diverged' with NULL losses and statistics (the validation sums
+    once dropped NaN and stored a perfect 0), every planned run is still trained, the views and the status table
+    hold no loss for them, and a sweep with no finite loss ends with one line and exit 1 instead of a fit."""
+    db = tmp_path / "results.db"
+    r = cli("sweeps", "isoflop", "--db", str(db), *DIVERGING)
+    assert_clean_failure(r, "no run of sweep", 1)
+    assert "2 of 2 runs diverged" in r.stdout and r.stdout.count("val_loss=diverged") == 2
+    con = duckdb.connect(str(db), read_only=True)
+    rows = con.execute("SELECT arch, status, val_loss, val_loss_causal, train_loss, routing_stats FROM runs").fetchall()
+    assert sorted(rows) == [("dense", "diverged", None, None, None, None), ("mod", "diverged", None, None, None, None)]
+    assert con.execute("SELECT count(*) FROM frontier").fetchone()[0] == 0
+    assert con.execute("SELECT count(*) FROM isoflop_points").fetchone()[0] == 0
+    con.close()
+    line = next(ln for ln in cli("sweeps", "status", "--db", str(db)).stdout.splitlines() if ln.startswith("nan-"))
+    assert line.split()[-4:] == ["0", "2", "0", "-"]  # ok, diverged, failed attempts, best val_loss

@@ -61,7 +61,9 @@ class LitLM(L.LightningModule):
         x, y = batch
         for name, value in self.model.eval_sums(x, y).items():
             if name not in self.val_sums:
-                self.val_sums.add_metrics({name: torchmetrics.SumMetric().to(self.device)})
+                # nan_strategy='disable': a NaN statistic stays NaN (the default drops it, and a diverged run's mean
+                # would read as a finite 0)
+                self.val_sums.add_metrics({name: torchmetrics.SumMetric(nan_strategy="disable").to(self.device)})
             self.val_sums[name].update(value.detach().double())
 
     def on_validation_epoch_end(self) -> None:

@@ -32,10 +32,10 @@ Json = Annotated[Any, "JSON"]  # dicts and lists, stored as sorted-key JSON text
 class RunMetrics:
     """What one training run measured (``train.fit`` returns it); stored in ``runs`` in this field order."""
 
-    status: Varchar  # ok | diverged
-    val_loss: Double  # held-out mean token loss (nats)
+    status: Varchar  # ok | diverged (a loss not finite: then every loss is NULL)
+    val_loss: Double | None  # held-out mean token loss (nats)
     val_loss_causal: Double | None  # routed archs: loss under causal routing; NULL otherwise
-    train_loss: Double  # mean loss over the last logged steps
+    train_loss: Double | None  # mean loss over the last logged steps
     wall_s: Double
     tokens_per_s: Double
     mfu: Double | None  # model FLOPs utilisation against peak_flops; NULL when no peak is known

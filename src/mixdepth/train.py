@@ -162,14 +162,18 @@ def fit(run: RunConfig, cache_dir: Path | None = None) -> RunResult:
     tokens = run.steps * tokens_per_batch
     tail = [p["train_loss"] for p in lit.curve[-max(1, len(lit.curve) // 10) :]]
     stats = dict(lit.val_metrics)  # what is left after the two losses: routing statistics
-    val = stats.pop("val_loss", float("nan"))
-    causal = stats.pop("val_loss_causal", None)
+    losses = {"val_loss": stats.pop("val_loss", float("nan")), "train_loss": sum(tail) / len(tail)}
+    if "val_loss_causal" in stats:
+        losses["val_loss_causal"] = stats.pop("val_loss_causal")
+    diverged = not all(math.isfinite(v) for v in losses.values())
+    if diverged:  # a loss that is not finite is no result: losses and statistics NULL, never a number to fit
+        losses, stats = dict.fromkeys(losses), {}
     tps = tp.get("device/items_per_sec", tokens / wall)
     metrics = RunMetrics(
-        status="ok" if math.isfinite(val) else "diverged",
-        val_loss=val,
-        val_loss_causal=causal,
-        train_loss=sum(tail) / len(tail),
+        status="diverged" if diverged else "ok",
+        val_loss=losses["val_loss"],
+        val_loss_causal=losses.get("val_loss_causal"),
+        train_loss=losses["train_loss"],
         wall_s=wall,
         tokens_per_s=tps,
         mfu=tp.get("device/mfu"),
@@ -179,6 +183,6 @@ def fit(run: RunConfig, cache_dir: Path | None = None) -> RunResult:
         versions=versions(),
         corpus=corpus.name,
         corpus_fingerprint=corpus.fingerprint,
-        routing_stats=stats or None,
+        routing_stats={k: v if math.isfinite(v) else None for k, v in stats.items()} or None,  # JSON: no NaN
     )
     return RunResult(metrics, lit.curve)

@@ -18,6 +18,7 @@ import json
 import sys
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import NoReturn
 
 import duckdb
@@ -88,8 +89,9 @@ def _cmd_query(args: argparse.Namespace) -> int:
 
 def _cmd_export(args: argparse.Namespace) -> int:
     from analysis.query import export_parquet
-    from analysis.store import open_db
+    from analysis.store import open_db, refuse_store_files
 
+    refuse_store_files(args.db, [Path(args.out)])
     con = open_db(args.db)
     try:
         n = export_parquet(con, args.table, args.out)
@@ -134,8 +136,10 @@ def _cmd_fit(args: argparse.Namespace) -> int:
 
 
 def _cmd_outputs(args: argparse.Namespace) -> int:
-    from analysis.pipeline import run_all
+    from analysis.pipeline import OUTPUT_NAMES, run_all
+    from analysis.store import refuse_store_files
 
+    refuse_store_files(args.db, [Path(args.out), *(Path(args.out) / name for name in OUTPUT_NAMES)])
     is_report = args.command == "report"
     paths = run_all(
         args.db, args.sweep, args.out, n_boot=args.bootstrap if is_report else 0,

@@ -137,6 +137,10 @@ def store_fits(con: duckdb.DuckDBPyConnection, fits: SweepFits) -> int:
     return len(rows)
 
 
+# Files run_all may write into its output folder.
+OUTPUT_NAMES = ("fits.json", "isoflop.png", "frontier.png", "mod_normalized.png", "report.md")
+
+
 def _figures(long: pd.DataFrame, fits: SweepFits, out: Path, notes: list[str]) -> dict[str, Path]:
     from analysis import plots  # matplotlib only when figures are wanted
 

@@ -13,7 +13,7 @@ import duckdb
 
 from analysis.errors import AnalysisError
 from analysis.records import IsoflopFit, ParametricFit
-from mixdepth.results import StoreError, connect
+from mixdepth.results import StoreError, connect, store_files
 
 if TYPE_CHECKING:  # pandas is only needed once points are loaded (duckdb's .df() imports it)
     import pandas as pd
@@ -32,6 +32,17 @@ def open_db(path: str | os.PathLike, *, write: bool = False) -> duckdb.DuckDBPyC
     if not p.is_file():
         raise StoreError(f"database {p} is not a file")
     return connect(p, read_only=not write)
+
+
+def refuse_store_files(db: str | os.PathLike, outputs: list[Path]) -> None:
+    """Raise before a command writes any of ``outputs`` that is the store ``db``: the database, its WAL or its
+    Optuna journal (by path, through links, or the same file under another name)."""
+    protected = [Path(p) for p in store_files(Path(db))]
+    for out in outputs:
+        for p in protected:
+            same = out.exists() and p.exists() and os.path.samefile(out, p)
+            if same or out.resolve() == p.resolve():
+                raise AnalysisError(f"refusing to write {out}: it is {p}, a file of the store {db}")
 
 
 def resolve_sweep(con: duckdb.DuckDBPyConnection, sweep_id: str | None) -> str | None:

@@ -19,8 +19,10 @@ CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 def _paths(db: Path) -> SweepPaths:
     """The store and, beside it, the Optuna journal and the report folders (the one place they are named)."""
+    from mixdepth.results import journal_path
+
     db = db.expanduser().absolute()
-    return SweepPaths(db=db, journal=Path(f"{db}.optuna.log"), reports=db.parent / f"{db.stem}_report")
+    return SweepPaths(db=db, journal=journal_path(db), reports=db.parent / f"{db.stem}_report")
 
 
 def _interrupt(signum, frame) -> None:

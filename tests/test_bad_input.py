@@ -143,3 +143,30 @@ def test_diverged_runs_are_stored_as_diverged_never_as_a_loss(cli, tmp_path):
     con.close()
     line = next(ln for ln in cli("sweeps", "status", "--db", str(db)).stdout.splitlines() if ln.startswith("nan-"))
     assert line.split()[-4:] == ["0", "2", "0", "-"]  # ok, diverged, failed attempts, best val_loss
+
+
+@pytest.mark.parametrize("target", ["results.db", "results.db.wal", "results.db.optuna.log", "link.db"])
+@pytest.mark.parametrize("command", ["export", "report", "plot"])
+def test_no_command_writes_over_the_store(cli, db, target, command):
+    """export's destination, and report/plot's folder and the files they write into it, may not be the database,
+    its WAL or its Optuna journal (nor a link to one): one line, exit 1, all three byte-identical."""
+    files = [db, db.parent / "results.db.wal", db.parent / "results.db.optuna.log"]
+    for f in files[1:]:
+        f.write_bytes(b"sidecar " + f.name.encode())
+    (db.parent / "link.db").symlink_to(db)
+    before = [digest(f) for f in files]
+    out = str(db.parent / target)
+    args = ["runs", out] if command == "export" else ["--out", out]
+    r = cli("analysis", command, "--db", str(db), *args)
+    assert_clean_failure(r, "refusing to write", 1)
+    assert [digest(f) for f in files] == before
+
+
+def test_report_folder_holding_the_store_is_refused(cli, db):
+    """A report folder is fine beside the store, but not when a file it writes would be the store."""
+    renamed = db.parent / "report.md"
+    db.rename(renamed)
+    before = digest(renamed)
+    r = cli("analysis", "report", "--db", str(renamed), "--out", str(db.parent))
+    assert_clean_failure(r, "refusing to write", 1)
+    assert digest(renamed) == before

@@ -140,6 +140,16 @@ class StoreError(RuntimeError):
     """A store problem with a one-line message meant for the user."""
 
 
+def journal_path(db: Path) -> Path:
+    """The Optuna journal (a sweep's work queue) that lives beside the database ``db``."""
+    return Path(f"{db}.optuna.log")
+
+
+def store_files(db: Path) -> tuple[Path, ...]:
+    """The files that make up a store: the database, its write-ahead log and the Optuna journal beside it."""
+    return db, Path(f"{db}.wal"), journal_path(db)
+
+
 def _first_line(e: BaseException) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 

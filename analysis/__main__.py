@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import warnings
 from collections.abc import Sequence
@@ -151,6 +152,22 @@ def _cmd_outputs(args: argparse.Namespace) -> int:
     return 0
 
 
+def count(text: str) -> int:
+    """argparse type of resample, start and row counts and seeds: an integer >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
+    return value
+
+
+def decades(text: str) -> float:
+    """argparse type of --c-bin-width: a finite number >= 0."""
+    value = float(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m analysis", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -161,16 +178,16 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--c-col", required=True, help="column of training FLOPs C")
     f.add_argument("--loss-col", required=True, help="column of losses (nats)")
     f.add_argument("--d-col", help="column of training tokens D (default: D = C / (6 N))")
-    f.add_argument("--drop-highest-loss", type=int, default=0, metavar="K", help="drop the K highest losses")
+    f.add_argument("--drop-highest-loss", type=count, default=0, metavar="K", help="drop the K highest losses")
     f.add_argument("--method", choices=("parametric", "isoflop"), default="parametric")
-    f.add_argument("--bootstrap", type=int, default=0, metavar="N", help="bootstrap resamples for CIs (0: none)")
-    f.add_argument("--seed", type=int, default=0, help="bootstrap seed")
+    f.add_argument("--bootstrap", type=count, default=0, metavar="N", help="bootstrap resamples for CIs (0: none)")
+    f.add_argument("--seed", type=count, default=0, help="bootstrap seed")
     f.add_argument(
-        "--c-bin-width", type=float, default=0.1, metavar="DECADES",
+        "--c-bin-width", type=decades, default=0.1, metavar="DECADES",
         help="isoflop: points whose log10 C round to the same multiple of this share a budget (0: exact C)",
     )  # fmt: skip
     f.add_argument(
-        "--n-starts", type=int, default=32, help="parametric: L-BFGS-B runs from this many best grid starts (0: all)"
+        "--n-starts", type=count, default=32, help="parametric: L-BFGS-B runs from this many best grid starts (0: all)"
     )
     f.add_argument("--json", action="store_true", help="print JSON instead of a table")
     f.set_defaults(func=_cmd_fit_csv)
@@ -194,11 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
         s = sub.add_parser(name, help=help_)
         s.add_argument("--db", required=True, help="DuckDB store")
         s.add_argument("--sweep", help="sweep id (default: the sweep with the newest finished run)")
-        s.add_argument("--seed", type=int, default=0, help="bootstrap seed")
+        s.add_argument("--seed", type=count, default=0, help="bootstrap seed")
         if name != "plot":
-            s.add_argument("--bootstrap", type=int, default=200, metavar="N", help="isoFLOP bootstrap resamples")
+            s.add_argument("--bootstrap", type=count, default=200, metavar="N", help="isoFLOP bootstrap resamples")
             s.add_argument(
-                "--parametric-bootstrap", type=int, default=100, metavar="N",
+                "--parametric-bootstrap", type=count, default=100, metavar="N",
                 help="parametric bootstrap resamples (each is two L-BFGS-B refits)",
             )  # fmt: skip
         if name == "fit":

@@ -7,6 +7,7 @@ import time
 
 import duckdb
 import pytest
+import torch
 
 from mixdepth import results
 
@@ -170,3 +171,73 @@ def test_report_folder_holding_the_store_is_refused(cli, db):
     r = cli("analysis", "report", "--db", str(renamed), "--out", str(db.parent))
     assert_clean_failure(r, "refusing to write", 1)
     assert digest(renamed) == before
+
+
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("train.precision=bogus", "train.precision"),
+        ("train.accelerator=tpu", "train.accelerator"),
+        ("train.beta1=1.5", "train.beta1"),
+        ("train.beta2=-0.1", "train.beta2"),
+        ("train.seed=-1", "train.seed"),
+        ("train.weight_decay=-0.1", "train.weight_decay"),
+        ("train.warmup_frac=1.5", "train.warmup_frac"),
+        ("train.min_lr_ratio=2", "train.min_lr_ratio"),
+        ("train.threads=-1", "train.threads"),
+        ("train.grad_clip=-1", "train.grad_clip"),
+        ("train.peak_flops=-1", "train.peak_flops"),
+        ("train.lr=inf", "train.lr"),
+        ("sweep.min_steps=0", "sweep.min_steps"),
+        ("sweep.bootstrap=-1", "sweep.bootstrap"),
+        ("sweep.archs=[]", "sweep.archs"),
+        ("sweep.budgets=[inf]", "sweep.budgets"),
+        ("sweep.budgets=[1e11,1e11]", "sweep.budgets"),
+        ("sweep.ladder=[{d_model: 16, n_layers: 1, n_heads: 2}, {d_model: 16, n_layers: 1, n_heads: 2}]", "ladder"),
+        ("data.val_fraction=1.0", "data.val_fraction"),
+        ("data.tokenizer=words", "data.tokenizer"),
+        ("data.seq_len=0", "data.seq_len"),
+    ],
+)
+def test_every_config_value_is_checked_at_load_time(db, override, key, capsys):
+    """Values that only the Trainer, the optimizer or the fit rejected (or that nothing rejected) stop at load
+    time: exit 2, one line naming the key, and no sweeps row, queue entry or journal written."""
+    from sweeps.__main__ import main
+
+    files = [db, db.parent / "results.db.wal", db.parent / "results.db.optuna.log"]
+    before = [digest(f) if f.exists() else None for f in files]
+    assert main(["isoflop", "--db", str(db), override]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and key in err[0] and err[0].startswith("error: "), err
+    assert [digest(f) if f.exists() else None for f in files] == before
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_gpu_accelerator_without_a_gpu(db, capsys):
+    from sweeps.__main__ import main
+
+    before = digest(db)
+    assert main(["isoflop", "--db", str(db), "train.accelerator=gpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: train.accelerator=gpu, but no GPU is visible; use auto or cpu"]
+    assert digest(db) == before
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["fit-csv", "x.csv", "--n-col", "N", "--c-col", "C", "--loss-col", "L", "--bootstrap", "-5"],
+        ["fit-csv", "x.csv", "--n-col", "N", "--c-col", "C", "--loss-col", "L", "--n-starts", "-4"],
+        ["fit-csv", "x.csv", "--n-col", "N", "--c-col", "C", "--loss-col", "L", "--c-bin-width", "nan"],
+        ["fit-csv", "x.csv", "--n-col", "N", "--c-col", "C", "--loss-col", "L", "--drop-highest-loss", "-1"],
+        ["report", "--db", "x.db", "--out", "o", "--bootstrap", "-3"],
+        ["fit", "--db", "x.db", "--parametric-bootstrap", "-1"],
+    ],
+)
+def test_analysis_counts_are_checked(args, capsys):
+    from analysis.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "must be" in err[0], err

@@ -14,10 +14,13 @@ naming the key.
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -199,24 +202,88 @@ def load_config(conf_dir: Path, preset: str = "isoflop", overrides: list[str] = 
     return dataclasses.replace(lab, archs=archs)
 
 
+def _count(lo: int) -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: v >= lo), f"at least {lo}"
+
+
+def _real(lo: float, hi: float = math.inf, *, open_lo: bool = False, open_hi: bool = False):
+    """A finite number in [lo, hi] (ends open where asked)."""
+    ok = lambda v: math.isfinite(v) and (v > lo if open_lo else v >= lo) and (v < hi if open_hi else v <= hi)  # noqa: E731
+    if hi == math.inf:
+        return ok, f"a finite number {'>' if open_lo else '>='} {lo:g}"
+    return ok, f"in {'(' if open_lo else '['}{lo:g}, {hi:g}{')' if open_hi else ']'}"
+
+
+def _one_of(*choices: str) -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: v in choices), f"one of {', '.join(choices)}"
+
+
+# Lightning's precision settings that train here (auto: 32-true on CPU, bf16-mixed on GPU).
+PRECISIONS = ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true")
+
+# Every scalar field's range or choice, checked by load_config before any file is opened, and by load_corpus for
+# data configs built in code: key -> (check, what the value must be).
+RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "sweep.min_steps": _count(1),
+    "sweep.bootstrap": _count(0),
+    "sweep.workers": _count(1),
+    "data.tokenizer": _one_of("bytes", "bpe"),  # data/tokenizer.py
+    "data.bpe_vocab_size": (lambda v: v > 256, "> 256 (the byte alphabet)"),
+    "data.bin_dtype": _one_of("uint16", "uint32"),  # data/sources.py BIN_DTYPES
+    "data.bin_vocab_size": _count(0),
+    "data.max_bytes": _count(0),
+    "data.val_fraction": _real(0, 1, open_lo=True, open_hi=True),
+    "data.val_tokens": _count(0),
+    "data.seq_len": _count(1),
+    "train.batch_size": _count(1),
+    "train.lr": _real(0, open_lo=True),
+    "train.min_lr_ratio": _real(0, 1),
+    "train.warmup_frac": _real(0, 1),
+    "train.weight_decay": _real(0),
+    "train.beta1": _real(0, 1, open_hi=True),
+    "train.beta2": _real(0, 1, open_hi=True),
+    "train.grad_clip": _real(0),
+    "train.seed": ((lambda v: 0 <= v < 2**32), "in [0, 2**32)"),
+    "train.accelerator": _one_of("auto", "cpu", "gpu"),
+    "train.precision": _one_of(*PRECISIONS),
+    "train.peak_flops": _real(0),
+    "train.log_every": _count(1),
+    "train.threads": _count(0),
+}
+
+
+def check_rules(section: str, cfg: Any, error: type[Exception] = ConfigError) -> None:
+    """Check the fields of one config section (``sweep``, ``data``, ``train``) against ``RULES``; one line."""
+    for key, (ok, what) in RULES.items():
+        name, _, field_name = key.partition(".")
+        if name == section:
+            value = getattr(cfg, field_name)
+            if not ok(value):
+                raise error(f"{key} must be {what}, got {value!r}")
+
+
 def _validate(lab: LabConfig, families: list[str]) -> None:
     s = lab.sweep
+    for section in ("sweep", "data", "train"):
+        check_rules(section, getattr(lab, section))
+    if not s.archs:
+        raise ConfigError("sweep.archs is empty")
     if len(set(s.archs)) != len(s.archs):
         raise ConfigError(f"sweep.archs lists an arch twice: {list(s.archs)}")
     if not s.budgets:
         raise ConfigError("sweep.budgets is empty")
     for c in s.budgets:
-        if not c > 0:
-            raise ConfigError(f"sweep.budgets must be positive FLOP counts, got {c:g}")
+        if not (c > 0 and math.isfinite(c)):
+            raise ConfigError(f"sweep.budgets must be positive finite FLOP counts, got {c:g}")
+    if len(set(s.budgets)) != len(s.budgets):
+        raise ConfigError(f"sweep.budgets lists a budget twice (it would train each point twice): {list(s.budgets)}")
     if not s.ladder:
         raise ConfigError("sweep.ladder is empty")
-    if s.workers < 1:
-        raise ConfigError(f"sweep.workers must be at least 1, got {s.workers}")
-    for key in ("batch_size", "log_every"):
-        if getattr(lab.train, key) <= 0:
-            raise ConfigError(f"train.{key} must be positive, got {getattr(lab.train, key)}")
-    if not lab.train.lr > 0:
-        raise ConfigError(f"train.lr must be positive, got {lab.train.lr}")
+    shapes = [(x.d_model, x.n_layers, x.n_heads, x.n_kv_heads or x.n_heads) for x in s.ladder]
+    if len(set(shapes)) != len(shapes):
+        raise ConfigError("sweep.ladder lists a shape twice (it would train each point twice)")
+    if lab.train.accelerator == "gpu" and not torch.cuda.is_available():
+        raise ConfigError("train.accelerator=gpu, but no GPU is visible; use auto or cpu")
     known = {f.name for fam in families for f in dataclasses.fields(MODELS[fam][0])}
     for key in lab.model:
         if key not in known:

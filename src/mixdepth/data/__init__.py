@@ -17,17 +17,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mixdepth.config import DataConfig, DataError
+from mixdepth.config import DataConfig, DataError, check_rules
 from mixdepth.data.cache import bin_stats, cache_root, cached_bpe, fingerprint, read_cache, write_cache
-from mixdepth.data.sources import BIN_DTYPES, Doc, is_glob, open_bin, read_docs, split_bin, split_docs
+from mixdepth.data.sources import Doc, is_glob, open_bin, read_docs, split_bin, split_docs
 from mixdepth.data.tokenizer import ByteTokenizer, IdTokenizer, Tokenizer
 from mixdepth.data.windows import ShardedBatchSampler, TokenWindows, as_batch
 
 __all__ = ["Corpus", "ShardedBatchSampler", "TokenWindows", "as_batch", "cache_root", "load_corpus"]
 
 log = logging.getLogger(__name__)
-
-TOKENIZERS = ("bytes", "bpe")
 
 
 @dataclass(frozen=True, eq=False)
@@ -97,18 +95,7 @@ def load_corpus(cfg: DataConfig, cache_dir: Path | str | None = None) -> Corpus:
 
 
 def _check_config(cfg: DataConfig) -> None:
-    if cfg.tokenizer not in TOKENIZERS:
-        raise DataError(f"data.tokenizer={cfg.tokenizer!r} is unknown; use one of {', '.join(TOKENIZERS)}")
-    if cfg.bin_dtype not in BIN_DTYPES:
-        raise DataError(f"data.bin_dtype={cfg.bin_dtype!r} is not supported; use uint16 or uint32")
-    if not 0.0 < cfg.val_fraction < 1.0:
-        raise DataError(f"data.val_fraction={cfg.val_fraction} must be in (0, 1)")
-    if cfg.val_tokens < 0 or cfg.max_bytes < 0:
-        raise DataError(f"data.val_tokens={cfg.val_tokens}, data.max_bytes={cfg.max_bytes} must be >= 0")
-    if cfg.seq_len < 1:
-        raise DataError(f"data.seq_len={cfg.seq_len} must be >= 1")
-    if cfg.tokenizer == "bpe" and cfg.bpe_vocab_size <= 256:
-        raise DataError(f"data.bpe_vocab_size={cfg.bpe_vocab_size} must be > 256 (the byte alphabet)")
+    check_rules("data", cfg, DataError)
 
 
 def _load_text(cfg: DataConfig, root: Path) -> Corpus:

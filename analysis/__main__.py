@@ -82,6 +82,8 @@ def _cmd_query(args: argparse.Namespace) -> int:
 
     con = open_db(args.db)
     try:
+        if not args.allow_files:  # the statement sees the store and nothing else: no file read, written or attached
+            con.execute("SET enable_external_access = false")
         print(run_query(con, args.sql))
     finally:
         con.close()
@@ -195,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser("query", help="run SQL on a store (read-only) and print a table")
     q.add_argument("--db", required=True, help="DuckDB store")
     q.add_argument("sql", help="one SQL statement")
+    q.add_argument(
+        "--allow-files", action="store_true", help="let the SQL read and write files (read_csv, COPY ... TO, ATTACH)"
+    )
     q.set_defaults(func=_cmd_query)
 
     e = sub.add_parser("export", help="write a table or view to Parquet")

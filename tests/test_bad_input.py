@@ -197,12 +197,17 @@ def test_report_folder_holding_the_store_is_refused(cli, db):
         ("data.val_fraction=1.0", "data.val_fraction"),
         ("data.tokenizer=words", "data.tokenizer"),
         ("data.seq_len=0", "data.seq_len"),
+        ("sweep.name=/abs/path", "sweep.name"),  # names are names: the report folder is <reports>/<name>-<id>
+        ("sweep.name=../..", "sweep.name"),
+        ("train.lr=${oc.env:MIXDEPTH_TEST_LR}", "train.lr"),  # set below: it would resolve, and be stored
     ],
 )
-def test_every_config_value_is_checked_at_load_time(db, override, key, capsys):
+def test_every_config_value_is_checked_at_load_time(db, override, key, capsys, monkeypatch):
     """Values that only the Trainer, the optimizer or the fit rejected (or that nothing rejected) stop at load
     time: exit 2, one line naming the key, and no sweeps row, queue entry or journal written."""
     from sweeps.__main__ import main
+
+    monkeypatch.setenv("MIXDEPTH_TEST_LR", "1e-3")
 
     files = [db, db.parent / "results.db.wal", db.parent / "results.db.optuna.log"]
     before = [digest(f) if f.exists() else None for f in files]
@@ -241,3 +246,25 @@ def test_analysis_counts_are_checked(args, capsys):
         main(args)
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and "must be" in err[0], err
+
+
+@pytest.mark.parametrize(
+    "sql,made",
+    [
+        ("SELECT * FROM read_text('/etc/passwd')", None),
+        ("SELECT * FROM read_csv('{dir}/secret.csv')", None),
+        ("COPY (SELECT * FROM runs) TO '{dir}/out.csv'", "out.csv"),
+        ("ATTACH '{dir}/other.db' AS other", "other.db"),
+    ],
+)
+def test_query_reads_the_store_and_nothing_else(cli, db, sql, made):
+    """User SQL runs with DuckDB's external access disabled: no file read, written or attached (one line, exit 1,
+    nothing created, the store unchanged) unless --allow-files is given."""
+    (db.parent / "secret.csv").write_text("a\n1\n")
+    before = digest(db)
+    r = cli("analysis", "query", "--db", str(db), sql.format(dir=db.parent))
+    assert_clean_failure(r, "disabled by configuration", 1)
+    assert digest(db) == before and (made is None or not (db.parent / made).exists())
+    if made == "out.csv":
+        r = cli("analysis", "query", "--db", str(db), "--allow-files", sql.format(dir=db.parent))
+        assert r.returncode == 0 and (db.parent / made).read_text().startswith("run_id"), r.stderr

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -170,6 +171,19 @@ def _dotlist(overrides: list[str]):
         raise ConfigError(_one_line(e)) from None
 
 
+def _refuse_env(node: Any, key: str = "") -> None:
+    """The stored config (database, sweep id) must say what ran: ``${oc.env:...}`` would store whatever the
+    environment held, so it is refused; interpolations of other keys are fine."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            _refuse_env(v, f"{key}.{k}" if key else str(k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            _refuse_env(v, f"{key}[{i}]")
+    elif isinstance(node, str) and "oc.env" in node:
+        raise ConfigError(f"config key '{key}' reads the environment ({node}); write the value itself")
+
+
 def load_config(conf_dir: Path, preset: str = "isoflop", overrides: list[str] = ()) -> LabConfig:
     """Merge base.yaml, sweep/<preset>.yaml and overrides into a validated LabConfig with every arch resolved.
 
@@ -189,6 +203,7 @@ def load_config(conf_dir: Path, preset: str = "isoflop", overrides: list[str] = 
         merged = OmegaConf.merge(
             OmegaConf.structured(Sections), _yaml(conf_dir / "base.yaml"), _yaml(preset_path), _dotlist(overrides)
         )
+        _refuse_env(OmegaConf.to_container(merged, resolve=False))
         sections: Sections = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise ConfigError(_one_line(e)) from None
@@ -224,6 +239,11 @@ PRECISIONS = ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true
 # Every scalar field's range or choice, checked by load_config before any file is opened, and by load_corpus for
 # data configs built in code: key -> (check, what the value must be).
 RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    # a sweep's reports go to <reports>/<name>-<hash>/: a name, never a path
+    "sweep.name": (
+        (lambda v: re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", v) is not None),
+        "a name of letters, digits, '.', '_' and '-' (not a path)",
+    ),
     "sweep.min_steps": _count(1),
     "sweep.bootstrap": _count(0),
     "sweep.workers": _count(1),

@@ -237,3 +237,34 @@ def test_datamodule_batches() -> None:
     assert torch.equal(torch.cat([v[0] for v in first]).flatten(), dm.corpus.val[: 31 * 32].long())
     assert as_batch(first[0]) is first[0]
     assert dataclasses.is_dataclass(dm.corpus)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_only_regular_files_are_read(folder: Path, tmp_path: Path) -> None:
+    """A FIFO (or socket, device, dangling link) in a corpus folder or glob is skipped, and the log names it: a read
+    would block forever. Given as the corpus itself it is a one-line DataError. (In a subprocess with a timeout, so
+    that a regression hangs no test run.)"""
+    os.mkfifo(folder / "pipe.txt")
+    (folder / "dangling.txt").symlink_to(tmp_path / "gone.txt")
+    code = (
+        "import logging, sys; logging.basicConfig(level=logging.WARNING, stream=sys.stdout)\n"
+        "from mixdepth.config import DataConfig, DataError\n"
+        "from mixdepth.data import load_corpus\n"
+        f"c = load_corpus(DataConfig(corpus={str(folder)!r}, val_tokens=0, seq_len=8))\n"
+        "print('files', sorted(c.train_files + c.val_files))\n"
+        f"g = load_corpus(DataConfig(corpus={str(folder / '*.txt')!r}, val_tokens=0, seq_len=8))\n"
+        "print('glob', sorted(g.train_files + g.val_files))\n"
+        "try:\n"
+        f"    load_corpus(DataConfig(corpus={str(folder / 'pipe.txt')!r}, seq_len=8))\n"
+        "except DataError as e:\n"
+        "    print('error', e)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.splitlines()
+    assert sum("skipped 2 entries that are not regular files: dangling.txt, pipe.txt" in ln for ln in out) == 2
+    files = next(ln for ln in out if ln.startswith("files"))
+    assert "pipe.txt" not in files and "dangling.txt" not in files and ".txt" in files
+    glob_files = next(ln for ln in out if ln.startswith("glob"))
+    assert "pipe.txt" not in glob_files and "dangling.txt" not in glob_files and "a.txt" in glob_files
+    assert any(ln.startswith("error") and "not a regular file" in ln for ln in out)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import logging
 import os
 import platform
 import re
@@ -33,6 +34,8 @@ import numpy as np
 import torch
 
 from mixdepth.config import DataConfig, DataError
+
+log = logging.getLogger(__name__)
 
 STDLIB_SKIP = frozenset(
     {"site-packages", "dist-packages", "test", "tests", "idle_test", "idlelib", "lib2to3", "turtledemo"}
@@ -66,7 +69,7 @@ class Doc:
 
 
 def _walk(root: str, skip: frozenset[str], suffix: str | None) -> list[tuple[str, str]]:
-    """(relative name, path) of files under ``root``, no hidden entries or ``skip`` folders, sorted."""
+    """(relative name, path) of entries under ``root``, no hidden entries or ``skip`` folders, sorted."""
     out: list[tuple[str, str]] = []
     cut = len(os.path.join(root, ""))
     for d, dirs, files in os.walk(root):
@@ -78,27 +81,40 @@ def _walk(root: str, skip: frozenset[str], suffix: str | None) -> list[tuple[str
     return sorted(out)
 
 
+def _regular(src: str, files: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The regular files of a listing; the rest (FIFOs, sockets, devices, dangling links: a read of a FIFO would
+    block forever) are skipped, and the log says which."""
+    kept = [(rel, p) for rel, p in files if os.path.isfile(p)]
+    if skipped := [rel for rel, p in files if not os.path.isfile(p)]:
+        shown = ", ".join(skipped[:5]) + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
+        log.warning("data.corpus=%s: skipped %d entries that are not regular files: %s", src, len(skipped), shown)
+    return kept
+
+
 def _list_text_source(cfg: DataConfig) -> tuple[list[tuple[str, str]], bool, str]:
     """((relative name, path) of each file in order, skip binary files?, display name) of a text source."""
     src = cfg.corpus
     if src == "stdlib":
         root = sysconfig.get_paths()["stdlib"]
-        return _walk(root, STDLIB_SKIP, ".py"), True, f"stdlib:python{platform.python_version()}"
+        return _regular(src, _walk(root, STDLIB_SKIP, ".py")), True, f"stdlib:python{platform.python_version()}"
     expanded = os.path.expanduser(src)
     if is_glob(src):
-        files = [p for p in sorted(glob.glob(expanded, recursive=True)) if os.path.isfile(p)]
-        if not files:
-            raise DataError(f"data.corpus={src}: no files match the glob; check the pattern")
+        matches = [p for p in sorted(glob.glob(expanded, recursive=True)) if not os.path.isdir(p)]
         parts = Path(expanded).parts
         root = Path(*parts[: next(i for i, p in enumerate(parts) if _MAGIC.search(p))] or ".")
-        return [(Path(p).relative_to(root).as_posix(), p) for p in files], True, src
+        files = _regular(src, [(Path(p).relative_to(root).as_posix(), p) for p in matches])
+        if not files:
+            raise DataError(f"data.corpus={src}: no files match the glob; check the pattern")
+        return files, True, src
     if os.path.isdir(expanded):
-        files = _walk(expanded, frozenset({"__pycache__"}), None)
+        files = _regular(src, _walk(expanded, frozenset({"__pycache__"}), None))
         if not files:
             raise DataError(f"data.corpus={src}: folder holds no files; point it at a folder of text files")
         return files, True, src
     if os.path.isfile(expanded):
         return [(os.path.basename(expanded), expanded)], False, src
+    if os.path.exists(expanded):
+        raise DataError(f"data.corpus={src}: not a regular file (a FIFO, socket or device); give a file or folder")
     raise DataError(f"data.corpus={src}: no such file or folder; fix the path (or use 'stdlib')")
 
 

@@ -103,7 +103,10 @@ def run_isoflop(lab: LabConfig, preset: str, paths: SweepPaths, dry_run: bool = 
 
 
 def _worker_gpus(lab: LabConfig) -> list[str]:
-    """CUDA_VISIBLE_DEVICES of each pool worker: one GPU each when workers > 1 train on GPUs, else none."""
+    """CUDA_VISIBLE_DEVICES of each pool worker: one GPU each when workers > 1 train on GPUs, else none. Checked
+    before the store is opened (a dry run, which trains nothing, plans GPU presets on any machine)."""
+    if lab.train.accelerator == "gpu" and not torch.cuda.is_available():
+        raise ConfigError("train.accelerator=gpu, but no GPU is visible; use auto or cpu")
     if lab.sweep.workers == 1 or resolve_device(lab.train)[0] != "gpu":
         return []
     n = torch.cuda.device_count()

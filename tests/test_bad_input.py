@@ -219,6 +219,7 @@ def test_every_config_value_is_checked_at_load_time(db, override, key, capsys, m
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
 def test_gpu_accelerator_without_a_gpu(db, capsys):
+    """Training on a GPU that is not there stops before the store is opened; planning (a dry run) works anywhere."""
     from sweeps.__main__ import main
 
     before = digest(db)
@@ -226,6 +227,8 @@ def test_gpu_accelerator_without_a_gpu(db, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: train.accelerator=gpu, but no GPU is visible; use auto or cpu"]
     assert digest(db) == before
+    assert main(["isoflop", "--preset", "isoflop_h200", "--db", str(db), "--dry-run"]) == 0
+    assert "isoflop-h200-" in capsys.readouterr().out and digest(db) == before
 
 
 @pytest.mark.parametrize(

@@ -271,3 +271,38 @@ def test_query_reads_the_store_and_nothing_else(cli, db, sql, made):
     if made == "out.csv":
         r = cli("analysis", "query", "--db", str(db), "--allow-files", sql.format(dir=db.parent))
         assert r.returncode == 0 and (db.parent / made).read_text().startswith("run_id"), r.stderr
+
+
+def _foreign(path):
+    con = duckdb.connect(str(path))
+    con.execute("CREATE TABLE measurements (t DOUBLE, v DOUBLE)")
+    con.execute("INSERT INTO measurements VALUES (1, 2)")
+    con.close()
+
+
+def _newer(path):
+    con = results.connect(path)
+    con.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", [str(results.SCHEMA_VERSION + 1)])
+    con.close()
+
+
+@pytest.mark.parametrize("make,needle", [(_foreign, "not a mixdepth store"), (_newer, "newer than this mixdepth")])
+@pytest.mark.parametrize("command", ["sweeps", "fit", "report"])
+def test_writers_refuse_foreign_and_newer_stores(tmp_path, make, needle, command, capsys):
+    """A DuckDB file that is not a mixdepth store, or one of a newer schema, is refused by every command that
+    writes (one line, exit 1) and left byte-identical: no tables created, no schema version written over."""
+    db = tmp_path / "other.db"
+    make(db)
+    before = digest(db)
+    if command == "sweeps":
+        from sweeps.__main__ import main
+
+        rc = main(["isoflop", "--db", str(db), "sweep.archs=[dense]", *SMALL])
+    else:
+        from analysis.__main__ import main
+
+        extra = ["--out", str(tmp_path / "out"), "--store"] if command == "report" else []
+        rc = main([command, "--db", str(db), *extra])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1 and needle in err[0], err
+    assert digest(db) == before

@@ -178,6 +178,11 @@ def connect(path: str | os.PathLike, read_only: bool = False) -> duckdb.DuckDBPy
         raise StoreError(f"cannot open database {p}: {_first_line(e)}") from None
     if not read_only:
         try:
+            _check_store(con, p)
+        except StoreError:
+            con.close()
+            raise
+        try:
             con.execute("BEGIN")
             con.execute(DDL)
             _add_missing_columns(con)
@@ -187,6 +192,25 @@ def connect(path: str | os.PathLike, read_only: bool = False) -> duckdb.DuckDBPy
             con.close()
             raise StoreError(f"database {p} has an incompatible schema: {_first_line(e)}") from None
     return con
+
+
+def _check_store(con: duckdb.DuckDBPyConnection, p: Path) -> None:
+    """Before anything is written: an empty file becomes a store; a file with tables must be a mixdepth store
+    (a ``meta`` table with an integer ``schema_version``) of a schema this code knows (no newer one)."""
+    tables = [r[0] for r in con.execute("SELECT table_name FROM information_schema.tables ORDER BY 1").fetchall()]
+    if not tables:
+        return
+    version = None
+    if "meta" in tables:
+        row = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        version = int(row[0]) if row and str(row[0]).isdigit() else None
+    if version is None:
+        shown = ", ".join(tables[:5]) + (" ..." if len(tables) > 5 else "")
+        raise StoreError(f"database {p} is not a mixdepth store (it holds {shown}); give another --db")
+    if version > SCHEMA_VERSION:
+        raise StoreError(
+            f"database {p} has schema version {version}, newer than this mixdepth's {SCHEMA_VERSION}; upgrade mixdepth"
+        )
 
 
 def _add_missing_columns(con: duckdb.DuckDBPyConnection) -> None:

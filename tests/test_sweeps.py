@@ -38,12 +38,17 @@ def swept(tmp_path_factory, cli_env):
     # as a user's CPU run: no Triton interpreter (conftest sets it for the kernel tests), routed ops on torch
     env = {k: v for k, v in cli_env.items() if k != "TRITON_INTERPRET"}
     first = subprocess.run(cmd, cwd=d, capture_output=True, text=True, timeout=900, env=env)
+    con = duckdb.connect(str(d / "r.db"), read_only=True)
+    created = con.execute("SELECT created_at FROM sweeps").fetchall()
+    con.close()
+    # a process killed inside the journal's lock leaves Optuna's lock behind: a symlink to the journal
+    (d / "r.db.optuna.log.lock").symlink_to(d / "r.db.optuna.log")
     second = subprocess.run(cmd, cwd=d, capture_output=True, text=True, timeout=900, env=env)
-    return d, first, second
+    return d, first, second, created
 
 
 def test_sweep_writes_one_row_per_run_with_exact_flops(swept):
-    d, first, _ = swept
+    d, first, _, _ = swept
     assert first.returncode == 0, first.stderr[-2000:]
     con = duckdb.connect(str(d / "r.db"), read_only=True)
     rows = con.execute(
@@ -75,17 +80,20 @@ def test_sweep_writes_one_row_per_run_with_exact_flops(swept):
 def test_sweep_prints_report_paths_that_exist(swept):
     from pathlib import Path
 
-    _, first, _ = swept
+    _, first, _, _ = swept
     paths = [ln.split(": ", 1)[1] for ln in first.stdout.splitlines() if ln.split(":")[0] in ("report", "isoflop_plot")]
     assert paths and all(Path(p).exists() for p in paths)
 
 
 def test_rerun_skips_finished_runs(swept):
-    d, _, second = swept
+    d, _, second, created = swept
     assert second.returncode == 0, second.stderr[-2000:]
     assert f"{N_RUNS} already in" in second.stdout and "0 to run" in second.stdout
     con = duckdb.connect(str(d / "r.db"), read_only=True)
     assert con.execute("SELECT count(*) FROM runs").fetchone()[0] == N_RUNS
+    # the rerun keeps the sweep's start, and took over the stale journal lock at once (Optuna waits 30 s, warning)
+    assert con.execute("SELECT created_at FROM sweeps").fetchall() == created
+    assert "lock file" not in second.stderr and not (d / "r.db.optuna.log.lock").is_symlink()
 
 
 def test_display_settings_do_not_change_the_sweep():
@@ -104,7 +112,7 @@ def test_display_settings_do_not_change_the_sweep():
 
 
 def test_status_lists_the_sweep(swept, cli):
-    d, _, _ = swept
+    d, _, _, _ = swept
     r = cli("sweeps", "status", "--db", str(d / "r.db"))
     assert r.returncode == 0, r.stderr
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("tiny-"))

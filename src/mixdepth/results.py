@@ -227,8 +227,11 @@ def _json(v: Any) -> Any:
 
 
 def add_sweep(con: duckdb.DuckDBPyConnection, sweep_id: str, name: str, preset: str, config: Mapping) -> None:
+    """Record a sweep; a rerun of it updates the row and keeps its ``created_at`` (when the sweep began)."""
     con.execute(
-        "INSERT OR REPLACE INTO sweeps VALUES (?, ?, ?, ?, now())", [sweep_id, name, preset, _json(dict(config))]
+        "INSERT INTO sweeps VALUES (?, ?, ?, ?, now()) ON CONFLICT (sweep_id) DO UPDATE"
+        " SET name = excluded.name, preset = excluded.preset, config = excluded.config",
+        [sweep_id, name, preset, _json(dict(config))],
     )
 
 

@@ -297,7 +297,7 @@ def test_writers_refuse_foreign_and_newer_stores(tmp_path, make, needle, command
     if command == "sweeps":
         from sweeps.__main__ import main
 
-        rc = main(["isoflop", "--db", str(db), "sweep.archs=[dense]", *SMALL])
+        rc = main(["isoflop", "--db", str(db), "sweep.archs=[dense]", "train.accelerator=cpu", *SMALL])
     else:
         from analysis.__main__ import main
 

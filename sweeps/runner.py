@@ -56,7 +56,7 @@ def run_record(sid: str, trial: Trial, lab: LabConfig, metrics: results.RunMetri
 
 def _queue(journal: Path, sid: str, todo: list[Trial], all_ids: list[str]) -> optuna.Study:
     """The Optuna study in ``journal``; stale RUNNING/WAITING trials of a killed process are failed first."""
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    optuna.logging.set_verbosity(optuna.logging.ERROR)  # a failed trial is ours to report (Optuna logs tracebacks)
     # The caller holds the store's write lock and the journal is that store's alone: a journal lock file
     # (Optuna's "<journal>.lock") still there is a killed process's, which Optuna would wait 30 s out.
     Path(f"{journal}.lock").unlink(missing_ok=True)

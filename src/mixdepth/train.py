@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import platform
+import signal
 import sys
 import time
 import warnings
@@ -131,6 +132,19 @@ def make_trainer(t: TrainConfig, steps: int, accelerator: str, precision: str, c
     )
 
 
+def _call(trainer: L.Trainer, trainer_fn, *args, **kwargs) -> None:
+    """``trainer.fit``/``validate``, with Ctrl-C and SIGTERM kept as KeyboardInterrupt: Lightning turns them into
+    ``sys.exit(1)`` (and leaves SIGINT ignored), which a sweep would end on with nothing said."""
+    sigint = signal.getsignal(signal.SIGINT)
+    try:
+        trainer_fn(*args, **kwargs)
+    except SystemExit:
+        if not trainer.interrupted:
+            raise
+        signal.signal(signal.SIGINT, sigint)
+        raise KeyboardInterrupt from None
+
+
 def fit(run: RunConfig, cache_dir: Path | None = None) -> RunResult:
     """Train ``run.model`` for ``run.steps`` steps and evaluate on the fixed held-out set."""
     _quiet()
@@ -153,10 +167,10 @@ def fit(run: RunConfig, cache_dir: Path | None = None) -> RunResult:
     monitor = PeakThroughputMonitor(peak, window_size=max(2, min(100, run.steps // 2)))
     trainer = make_trainer(t, run.steps, accelerator, precision, [monitor])
     start = time.perf_counter()
-    trainer.fit(lit, train_dataloaders=dm.train_dataloader())
+    _call(trainer, trainer.fit, lit, train_dataloaders=dm.train_dataloader())
     wall = time.perf_counter() - start
     trainer.limit_val_batches = 1.0
-    trainer.validate(lit, dataloaders=dm.val_dataloader(), verbose=False)
+    _call(trainer, trainer.validate, lit, dataloaders=dm.val_dataloader(), verbose=False)
 
     tp = monitor.summary()
     tokens = run.steps * tokens_per_batch

@@ -1,0 +1,107 @@
+"""Ctrl-C and SIGTERM during training stop an in-process sweep (``sweep.workers=1``, every GPU preset) like the
+pool: exit 130, one line on stderr, no partial rows, and a rerun resumes to the uninterrupted sweep's results."""
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mixdepth import results
+
+# Two runs in-process, the longer one second so that a signal sent two seconds into it lands inside training.
+GRID = [
+    "sweep.archs=[dense]",
+    "sweep.budgets=[3e10]",
+    "sweep.ladder=[{d_model: 48, n_layers: 2, n_heads: 2}, {d_model: 32, n_layers: 2, n_heads: 2}]",
+    "sweep.workers=1",
+    "train.progress=false",
+    "data.max_bytes=200000",
+    "data.val_tokens=2048",
+    "data.seq_len=32",
+]
+
+
+def losses(db) -> dict[str, float]:
+    con = results.connect(db, read_only=True)
+    try:
+        return dict(con.execute("SELECT run_id, val_loss FROM runs").fetchall())
+    finally:
+        con.close()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, cli_env):
+    db = tmp_path_factory.mktemp("whole") / "results.db"
+    r = subprocess.run(
+        [sys.executable, "-m", "sweeps", "isoflop", "--db", str(db), *GRID],
+        capture_output=True,
+        text=True,
+        env=cli_env,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr
+    return losses(db)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_in_training_exits_130_and_resumes(tmp_path, cli, cli_env, uninterrupted, sig):
+    db = tmp_path / "results.db"
+    p = subprocess.Popen(
+        [sys.executable, "-m", "sweeps", "isoflop", "--db", str(db), *GRID],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=cli_env,
+    )
+    for line in p.stdout:
+        if line.startswith("[2/2]"):
+            break
+    time.sleep(2)
+    p.send_signal(sig)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130, (p.returncode, err)
+    assert err.strip().splitlines() == [
+        "interrupted: finished runs are in the database; rerun the same command to resume"
+    ], err
+
+    con = results.connect(db, read_only=True)
+    try:
+        rows = con.execute("SELECT run_id, d_model FROM runs").fetchall()
+        curves = {r[0] for r in con.execute("SELECT DISTINCT run_id FROM curves").fetchall()}
+    finally:
+        con.close()
+    assert [d for _, d in rows] == [48] and curves == {rows[0][0]}  # the first run whole, nothing of the second
+
+    r = cli("sweeps", "isoflop", "--db", str(db), *GRID)
+    assert r.returncode == 0, r.stderr
+    assert "2 runs planned, 1 already in" in r.stdout
+    assert losses(db) == uninterrupted
+
+
+def test_kill_9_then_rerun_resumes_and_counts_only_started_attempts(tmp_path, cli, cli_env, uninterrupted):
+    """A sweep killed outright leaves its run in flight RUNNING and the rest of the queue WAITING; the rerun fails
+    both, trains what the store lacks, and ``status`` counts one failed attempt: queued trials never started."""
+    db = tmp_path / "results.db"
+    p = subprocess.Popen(
+        [sys.executable, "-m", "sweeps", "isoflop", "--db", str(db), *GRID],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=cli_env,
+    )
+    for line in p.stdout:
+        if line.startswith("[1/2]"):  # trial 1 is RUNNING from here, trial 2 WAITING
+            break
+    p.kill()
+    p.wait(timeout=30)
+
+    r = cli("sweeps", "isoflop", "--db", str(db), *GRID)
+    assert r.returncode == 0, r.stderr
+    assert "2 runs planned, 0 already in" in r.stdout
+    assert losses(db) == uninterrupted
+    line = next(ln for ln in cli("sweeps", "status", "--db", str(db)).stdout.splitlines() if "isoflop-" in ln)
+    assert line.split()[-5:-1] == ["2", "2", "0", "1"]  # planned, ok, diverged, failed attempts

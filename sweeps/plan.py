@@ -32,21 +32,28 @@ def digest(obj: Any, n: int = 12) -> str:
     return hashlib.sha1(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:n]
 
 
+# Keys that change how a sweep is shown, scheduled or fitted, never what a run trains to: not part of its identity,
+# so changing one resumes the same sweep and reuses every stored run.
+NOT_IDENTITY = {"train": ("progress",), "sweep": ("name", "workers", "bootstrap")}
+
+
 def identity(lab: LabConfig) -> dict:
-    """The config that defines results: the merged sections but how runs are displayed and scheduled.
+    """The config that defines results: the merged sections without the ``NOT_IDENTITY`` keys.
 
     The resolved ``lab.archs`` are left out: they derive from these sections and conf/model/ YAML, and each
     run id hashes its own family config.
     """
     d = lab.sections()
-    d["train"].pop("progress")
-    d["sweep"].pop("workers")
+    for section, keys in NOT_IDENTITY.items():
+        for key in keys:
+            d[section].pop(key)
     return d
 
 
 def sweep_id(lab: LabConfig, preset: str) -> str:
-    """Deterministic id: the same preset and overrides resume the same sweep."""
-    return f"{lab.sweep.name}-{digest([preset, identity(lab)], 8)}"
+    """Deterministic id from the preset and what defines results: the same config resumes the same sweep, whatever
+    its ``sweep.name`` (a label, kept in the ``sweeps`` table) or its fit and scheduling settings."""
+    return f"{preset}-{digest([preset, identity(lab)], 8)}"
 
 
 def plan(lab: LabConfig, sid: str) -> tuple[list[Trial], list[str]]:

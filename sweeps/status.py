@@ -9,7 +9,8 @@ from sweeps.paths import SweepPaths
 
 
 def _queue_counts(journal: Path) -> dict[str, tuple[int, int]]:
-    """sweep_id -> (planned runs, failed attempts) from the Optuna journal."""
+    """sweep_id -> (planned runs, failed attempts) from the Optuna journal. An attempt is a trial that started:
+    queued trials that a killed sweep never began are failed on the next start, but were never tried."""
     if not journal.exists():
         return {}
     import optuna
@@ -19,7 +20,8 @@ def _queue_counts(journal: Path) -> dict[str, tuple[int, int]]:
     out = {}
     for summary in optuna.get_all_study_summaries(storage, include_best_trial=False):
         study = optuna.load_study(study_name=summary.study_name, storage=storage)
-        failed = len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.FAIL,)))
+        fails = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.FAIL,))
+        failed = sum(t.datetime_start is not None for t in fails)
         out[summary.study_name] = (len(study.user_attrs.get("run_ids", [])), failed)
     return out
 
@@ -29,20 +31,21 @@ def status_table(paths: SweepPaths) -> str:
     con = results.connect(paths.db, read_only=True)
     try:
         rows = con.execute(
-            "SELECT s.sweep_id, s.preset, strftime(s.created_at, '%Y-%m-%d %H:%M'),"
+            "SELECT s.sweep_id, s.name, s.preset, strftime(s.created_at, '%Y-%m-%d %H:%M'),"
             " count(r.run_id) FILTER (WHERE r.status = 'ok'), count(r.run_id) FILTER (WHERE r.status = 'diverged'),"
-            " min(r.val_loss) FROM sweeps s LEFT JOIN runs r USING (sweep_id) GROUP BY ALL ORDER BY 3"
+            " min(r.val_loss) FROM sweeps s LEFT JOIN runs r USING (sweep_id) GROUP BY ALL ORDER BY 4"
         ).fetchall()
     finally:
         con.close()
     queue = _queue_counts(paths.journal)
-    head = ("sweep", "preset", "created", "planned", "ok", "diverged", "failed attempts", "best val_loss")
+    head = ("sweep", "name", "preset", "created", "planned", "ok", "diverged", "failed attempts", "best val_loss")
     body = []
-    for sid, preset, created, ok, diverged, best in rows:
+    for sid, name, preset, created, ok, diverged, best in rows:
         planned, failed = queue.get(sid, (None, None))
         body.append(
             (
                 sid,
+                name,
                 preset,
                 created,
                 "?" if planned is None else str(planned),

@@ -142,7 +142,7 @@ def test_diverged_runs_are_stored_as_diverged_never_as_a_loss(cli, tmp_path):
     assert con.execute("SELECT count(*) FROM frontier").fetchone()[0] == 0
     assert con.execute("SELECT count(*) FROM isoflop_points").fetchone()[0] == 0
     con.close()
-    line = next(ln for ln in cli("sweeps", "status", "--db", str(db)).stdout.splitlines() if ln.startswith("nan-"))
+    line = next(ln for ln in cli("sweeps", "status", "--db", str(db)).stdout.splitlines() if ln.split()[1:2] == ["nan"])
     assert line.split()[-4:] == ["0", "2", "0", "-"]  # ok, diverged, failed attempts, best val_loss
 
 
@@ -197,8 +197,9 @@ def test_report_folder_holding_the_store_is_refused(cli, db):
         ("data.val_fraction=1.0", "data.val_fraction"),
         ("data.tokenizer=words", "data.tokenizer"),
         ("data.seq_len=0", "data.seq_len"),
-        ("sweep.name=/abs/path", "sweep.name"),  # names are names: the report folder is <reports>/<name>-<id>
+        ("sweep.name=/abs/path", "sweep.name"),  # names are names (labels in the store and reports), not paths
         ("sweep.name=../..", "sweep.name"),
+        ("--preset=../sweep/isoflop", "preset"),  # the preset begins the sweep id, which names the report folder
         ("train.lr=${oc.env:MIXDEPTH_TEST_LR}", "train.lr"),  # set below: it would resolve, and be stored
     ],
 )
@@ -228,7 +229,7 @@ def test_gpu_accelerator_without_a_gpu(db, capsys):
     assert err == ["error: train.accelerator=gpu, but no GPU is visible; use auto or cpu"]
     assert digest(db) == before
     assert main(["isoflop", "--preset", "isoflop_h200", "--db", str(db), "--dry-run"]) == 0
-    assert "isoflop-h200-" in capsys.readouterr().out and digest(db) == before
+    assert "sweep isoflop_h200-" in capsys.readouterr().out and digest(db) == before
 
 
 @pytest.mark.parametrize(

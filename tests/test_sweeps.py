@@ -37,7 +37,11 @@ def swept(tmp_path_factory, cli_env):
     cmd = [sys.executable, "-m", "sweeps", "isoflop", "--db", str(d / "r.db"), *TINY]
     # as a user's CPU run: no Triton interpreter (conftest sets it for the kernel tests), routed ops on torch
     env = {k: v for k, v in cli_env.items() if k != "TRITON_INTERPRET"}
-    first = subprocess.run(cmd, cwd=d, capture_output=True, text=True, timeout=900, env=env)
+    # first under another label and bootstrap: fit and display keys are not the sweep's identity, so the rerun
+    # below (TINY's name and bootstrap) resumes the same sweep and retrains nothing
+    first = subprocess.run(
+        [*cmd, "sweep.name=draft", "sweep.bootstrap=3"], cwd=d, capture_output=True, text=True, timeout=900, env=env
+    )
     con = duckdb.connect(str(d / "r.db"), read_only=True)
     created = con.execute("SELECT created_at FROM sweeps").fetchall()
     con.close()
@@ -93,30 +97,36 @@ def test_rerun_skips_finished_runs(swept):
     assert con.execute("SELECT count(*) FROM runs").fetchone()[0] == N_RUNS
     # the rerun keeps the sweep's start, and took over the stale journal lock at once (Optuna waits 30 s, warning)
     assert con.execute("SELECT created_at FROM sweeps").fetchall() == created
+    assert con.execute("SELECT name FROM sweeps").fetchall() == [("tiny",)]  # the label is the latest run's
     assert "lock file" not in second.stderr and not (d / "r.db.optuna.log.lock").is_symlink()
 
 
-def test_display_settings_do_not_change_the_sweep():
+@pytest.mark.parametrize(
+    "setting", ["train.progress=false", "sweep.workers=1", "sweep.name=another", "sweep.bootstrap=7"]
+)
+def test_display_fit_and_scheduling_settings_do_not_change_the_sweep(setting):
+    """Only result-defining keys define a sweep: changing its label, bootstrap, workers or progress bars resumes
+    the same sweep id and run ids (nothing retrained); a training key makes another sweep."""
     from pathlib import Path
 
     from mixdepth.config import load_config
     from sweeps.plan import plan, sweep_id
 
     conf = Path(__file__).resolve().parents[1] / "conf"
-    a, b = load_config(conf, "isoflop", ["train.progress=true"]), load_config(conf, "isoflop", ["train.progress=false"])
+    a, b = load_config(conf, "isoflop"), load_config(conf, "isoflop", [setting])
     assert sweep_id(a, "isoflop") == sweep_id(b, "isoflop")
+    ids = [t.run_id for t in plan(a, sweep_id(a, "isoflop"))[0]]
+    assert ids == [t.run_id for t in plan(b, sweep_id(b, "isoflop"))[0]] and len(set(ids)) == len(ids)
     c = load_config(conf, "isoflop", ["train.lr=1e-3"])
     assert sweep_id(c, "isoflop") != sweep_id(a, "isoflop")
-    ids = [t.run_id for t in plan(a, sweep_id(a, "isoflop"))[0]]
-    assert len(set(ids)) == len(ids)
 
 
 def test_status_lists_the_sweep(swept, cli):
     d, _, _, _ = swept
     r = cli("sweeps", "status", "--db", str(d / "r.db"))
     assert r.returncode == 0, r.stderr
-    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("tiny-"))
-    planned, ok, diverged, failed = line.split()[4:8]  # after sweep, preset, date, time
+    line = next(ln for ln in r.stdout.splitlines() if ln.split()[1:2] == ["tiny"])
+    planned, ok, diverged, failed = line.split()[5:9]  # after sweep, name, preset, date, time
     assert (planned, ok, diverged, failed) == (str(N_RUNS), str(N_RUNS), "0", "0")
     missing = cli("sweeps", "status", "--db", str(d / "nope.db"))
     assert missing.returncode == 1 and "does not exist" in missing.stderr
@@ -168,8 +178,8 @@ def test_workers_train_every_run_once_as_in_process(pooled, cli):
     for a, b in zip(rows[1], rows[2], strict=True):
         assert a[:-1] == b[:-1] and a[-1] == pytest.approx(b[-1], abs=1e-5)
     assert all(f"[{i}/4] val_loss=" in outs[2][0] for i in (1, 2, 3, 4))
-    line = next(ln for ln in cli("sweeps", "status", "--db", str(d / "w2.db")).stdout.splitlines() if "tiny-" in ln)
-    assert line.split()[4:8] == ["4", "4", "0", "0"]  # planned, ok, diverged, failed attempts
+    line = next(ln for ln in cli("sweeps", "status", "--db", str(d / "w2.db")).stdout.splitlines() if " tiny " in ln)
+    assert line.split()[5:9] == ["4", "4", "0", "0"]  # planned, ok, diverged, failed attempts
 
 
 def test_workers_zero_is_one_line_error(cli, tmp_path):

@@ -194,6 +194,8 @@ def load_config(conf_dir: Path, preset: str = "isoflop", overrides: list[str] = 
     Raises:
         ConfigError: one line naming the bad key, value, preset or file.
     """
+    if not _is_name(preset):  # it begins the sweep id, which names the report folder
+        raise ConfigError(f"preset {preset!r} must be {NAME_RULE}")
     preset_path = conf_dir / "sweep" / f"{preset}.yaml"
     if not preset_path.exists():
         names = sorted(p.stem for p in (conf_dir / "sweep").glob("*.yaml"))
@@ -228,6 +230,13 @@ def _real(lo: float, hi: float = math.inf, *, open_lo: bool = False, open_hi: bo
     return ok, f"in {'(' if open_lo else '['}{lo:g}, {hi:g}{')' if open_hi else ']'}"
 
 
+NAME_RULE = "a name of letters, digits, '.', '_' and '-' (not a path)"
+
+
+def _is_name(v: str) -> bool:
+    return re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", v) is not None
+
+
 def _one_of(*choices: str) -> tuple[Callable[[Any], bool], str]:
     return (lambda v: v in choices), f"one of {', '.join(choices)}"
 
@@ -238,11 +247,7 @@ PRECISIONS = ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true
 # Every scalar field's range or choice, checked by load_config before any file is opened, and by load_corpus for
 # data configs built in code: key -> (check, what the value must be).
 RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    # a sweep's reports go to <reports>/<name>-<hash>/: a name, never a path
-    "sweep.name": (
-        (lambda v: re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", v) is not None),
-        "a name of letters, digits, '.', '_' and '-' (not a path)",
-    ),
+    "sweep.name": (_is_name, NAME_RULE),  # a label in the store and the reports, never a path
     "sweep.min_steps": _count(1),
     "sweep.bootstrap": _count(0),
     "sweep.workers": _count(1),

@@ -10,7 +10,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Iterable, Mapping
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, get_args, get_type_hints
@@ -150,6 +152,53 @@ def store_files(db: Path) -> tuple[Path, ...]:
     return db, Path(f"{db}.wal"), journal_path(db)
 
 
+# How DuckDB names the file of an IO error: ... file "<path>": <the C library's errno text>
+_DUCKDB_FILE_FAULT = re.compile(r'file "(?P<path>[^"]+)": (?P<why>[^\n"]+?)\s*$', re.MULTILINE)
+
+
+def io_fault(e: BaseException) -> str | None:
+    """``"<file>: <fault>"`` for a filesystem fault (disk full, read-only, immutable file, ...) behind ``e``, or
+    None when its chain (``__cause__``, ``__context__``) holds none; the earliest fault wins: later errors are
+    its consequences (a ROLLBACK after a failed COMMIT, Optuna's "Should not reach." after a failed write)."""
+    chain: list[BaseException] = []
+    while e is not None and e not in chain:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    for exc in reversed(chain):
+        if isinstance(exc, OSError) and exc.errno is not None and exc.filename is not None:
+            return f"{exc.filename}: {os.strerror(exc.errno)}"
+        if isinstance(exc, duckdb.Error) and (m := _DUCKDB_FILE_FAULT.search(str(exc))):
+            return f"{m['path']}: {m['why']}"
+    return None
+
+
+def checkpoint(con: duckdb.DuckDBPyConnection, path: Path) -> None:
+    """Write the WAL into the database file now (DuckDB would at close, and say nothing when that fails)."""
+    try:
+        con.execute("CHECKPOINT")
+    except duckdb.Error as e:
+        fault = io_fault(e) or _first_line(e)
+        raise StoreError(
+            f"cannot checkpoint database {path} ({fault}); every stored run is safe in its write-ahead log"
+            f" {path}.wal, which the next command to open it replays once the fault is fixed"
+        ) from None
+
+
+@contextmanager
+def _transaction(con: duckdb.DuckDBPyConnection) -> Iterator[None]:
+    """BEGIN ... COMMIT, rolled back on any error; a COMMIT that failed (disk full) has ended the transaction."""
+    con.execute("BEGIN")
+    try:
+        yield
+        con.execute("COMMIT")
+    except BaseException:
+        try:
+            con.execute("ROLLBACK")
+        except duckdb.TransactionException:  # "no transaction is active": the failed COMMIT ended it
+            pass
+        raise
+
+
 def _first_line(e: BaseException) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
@@ -190,6 +239,8 @@ def connect(path: str | os.PathLike, read_only: bool = False) -> duckdb.DuckDBPy
             con.execute("COMMIT")
         except duckdb.Error as e:
             con.close()
+            if fault := io_fault(e):
+                raise StoreError(f"cannot write database {p}: {fault}") from None
             raise StoreError(f"database {p} has an incompatible schema: {_first_line(e)}") from None
     return con
 
@@ -255,8 +306,7 @@ def add_run(
         raise StoreError(f"unknown run columns: {sorted(unknown)}")
     cols = [c for c in RUN_COLUMNS if c in row]
     values = [_json(row[c]) for c in cols]
-    con.execute("BEGIN")
-    try:
+    with _transaction(con):
         con.execute("DELETE FROM curves WHERE run_id = ?", [row["run_id"]])
         con.execute("DELETE FROM runs WHERE run_id = ?", [row["run_id"]])
         con.execute(
@@ -266,17 +316,12 @@ def add_run(
         points = [(row["run_id"], p["step"], p["tokens"], p["flops"], p["train_loss"], p["lr"]) for p in curve]
         if points:
             con.executemany("INSERT INTO curves VALUES (?, ?, ?, ?, ?, ?)", points)
-        con.execute("COMMIT")
-    except BaseException:
-        con.execute("ROLLBACK")
-        raise
 
 
 def add_fits(con: duckdb.DuckDBPyConnection, rows: Iterable[Mapping[str, Any]]) -> None:
     """Replace the fits of each (sweep_id, arch, method, budget) given, atomically."""
     rows = list(rows)
-    con.execute("BEGIN")
-    try:
+    with _transaction(con):
         for r in rows:
             con.execute(
                 "DELETE FROM fits WHERE sweep_id IS NOT DISTINCT FROM ? AND arch = ? AND method = ?"
@@ -297,7 +342,3 @@ def add_fits(con: duckdb.DuckDBPyConnection, rows: Iterable[Mapping[str, Any]]) 
                     r.get("objective"),
                 ],
             )
-        con.execute("COMMIT")
-    except BaseException:
-        con.execute("ROLLBACK")
-        raise

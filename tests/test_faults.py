@@ -20,7 +20,7 @@ from sweeps.journal import damage
 FAULT = [  # 3 runs of one arch at one budget, one thread each
     "sweep.name=fault",
     "sweep.archs=[dense]",
-    "sweep.budgets=[1e9]",
+    "sweep.budgets=[5e8]",
     "sweep.ladder=[{d_model: 16, n_layers: 1, n_heads: 2}, {d_model: 24, n_layers: 1, n_heads: 2},"
     " {d_model: 32, n_layers: 1, n_heads: 2}]",
     "sweep.min_steps=4",
@@ -176,20 +176,21 @@ class Case:
         self.filler: Path | None = None
 
     def inject(self, pid: int) -> None:
-        if self.name == "disk full":
-            self.filler = _fill(self.folder)
-        elif self.name == "read-only":  # a read-only mount over the folder: open files stay writable, as a
-            # remount of the folder's own mount would refuse ("busy") while DuckDB holds its files open
-            assert _sh("mount", "--bind", str(self.folder), str(self.folder)).returncode == 0
-            assert _sh("mount", "-o", "remount,bind,ro", str(self.folder)).returncode == 0
-        elif self.name == "immutable journal":
-            assert _sh("chattr", "+i", str(self.journal)).returncode == 0
-        else:  # full at the final checkpoint: the runs and fits fit in the WAL, the database's blocks do not
-            os.kill(pid, signal.SIGSTOP)
-            try:
+        """Make the fault while the sweep is stopped (SIGSTOP), a few instructions after it printed the trigger."""
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            if self.name == "disk full":
+                self.filler = _fill(self.folder)
+            elif self.name == "read-only":  # a read-only mount over the folder: open files stay writable, as a
+                # remount of the folder's own mount would refuse ("busy") while DuckDB holds its files open
+                assert _sh("mount", "--bind", str(self.folder), str(self.folder)).returncode == 0
+                assert _sh("mount", "-o", "remount,bind,ro", str(self.folder)).returncode == 0
+            elif self.name == "immutable journal":
+                assert _sh("chattr", "+i", str(self.journal)).returncode == 0
+            else:  # full at the final checkpoint: the fits fit in the WAL, the database's new blocks do not
                 self.filler = _fill(self.folder, leave=64 * 1024)
-            finally:
-                os.kill(pid, signal.SIGCONT)
+        finally:
+            os.kill(pid, signal.SIGCONT)
 
     def undo(self) -> None:
         if self.filler is not None:
@@ -199,26 +200,6 @@ class Case:
             assert _sh("umount", str(self.folder)).returncode == 0
         if self.name == "immutable journal":
             _sh("chattr", "-i", str(self.journal))
-
-
-def _mount_tmpfs(folder: Path) -> None:
-    folder.mkdir()
-    r = _sh("mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(folder))
-    if r.returncode:
-        pytest.skip(f"cannot mount a tmpfs ({r.stderr.strip()}): the fault tests need root")
-
-
-def _chattr_folder(tmpfs: Path, fallback: Path) -> Path:
-    """A folder whose filesystem takes ``chattr +i``: the tmpfs, else (an older kernel's tmpfs) tmp_path's."""
-    for folder in (tmpfs, fallback):
-        probe = folder / "probe"
-        probe.touch()
-        ok = _sh("chattr", "+i", str(probe)).returncode == 0
-        _sh("chattr", "-i", str(probe))
-        probe.unlink()
-        if ok:
-            return folder
-    pytest.skip("neither tmpfs nor tmp_path's filesystem takes chattr +i")
 
 
 def _run_case(case: Case, env: dict, cwd: Path) -> tuple[int, str, str]:
@@ -245,41 +226,77 @@ def _run_case(case: Case, env: dict, cwd: Path) -> tuple[int, str, str]:
     return p.returncode, "".join(out) + rest, err
 
 
-@pytest.fixture(scope="module")
+CASES = [  # name, sweep.workers, the output line at which the fault is made, the errno text the line names
+    ("disk full", 2, "val_loss=", "No space left on device"),
+    ("read-only", 1, "val_loss=", "Read-only file system"),
+    ("immutable journal", 1, "val_loss=", "Operation not permitted"),
+    ("full at the checkpoint", 1, "trained 3 runs", "No space left on device"),
+]
+
+
+class _Skip(Exception):
+    pass
+
+
+def _mount_tmpfs(folder: Path) -> None:
+    folder.mkdir()
+    r = _sh("mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(folder))
+    if r.returncode:
+        raise _Skip(f"cannot mount a tmpfs ({r.stderr.strip()}): the fault tests need root")
+
+
+def _chattr_folder(tmpfs: Path, fallback: Path) -> Path:
+    """A folder whose filesystem takes ``chattr +i``: the tmpfs, else (an older kernel's tmpfs) tmp_path's."""
+    for folder in (tmpfs, fallback):
+        probe = folder / "probe"
+        probe.touch()
+        ok = _sh("chattr", "+i", str(probe)).returncode == 0
+        _sh("chattr", "-i", str(probe))
+        probe.unlink()
+        if ok:
+            return folder
+    raise _Skip("neither tmpfs nor tmp_path's filesystem takes chattr +i")
+
+
+@pytest.fixture(scope="module", autouse=True)
 def faults(tmp_path_factory, cli_env):
-    """Every fault case's sweep, run side by side (separate tmpfs mounts); name -> (case, rc, stdout, stderr)."""
-    if os.geteuid() != 0:
-        pytest.skip("the fault tests mount tmpfs and use chattr: they need root")
+    """Every fault case's sweep, started at once side by side (separate tmpfs mounts) in the background while the
+    journal tests run; name -> a function that waits for it and returns (case, rc, stdout, stderr)."""
     root = tmp_path_factory.mktemp("faults")
     mounts: list[Path] = []
-    cases = []
+    cases: list[Case] = []
+    done: dict = {}
+    threads: dict[str, threading.Thread] = {}
     (root / "ext").mkdir()
+    (root / "reports").mkdir()
+    skip = None if os.geteuid() == 0 else "the fault tests mount tmpfs and use chattr: they need root"
     try:
-        for name, workers, trigger, fault_text in [
-            ("disk full", 2, "val_loss=", "No space left on device"),
-            ("read-only", 1, "val_loss=", "Read-only file system"),
-            ("immutable journal", 1, "val_loss=", "Operation not permitted"),
-            ("full at the checkpoint", 1, "trained 3 runs", "No space left on device"),
-        ]:
+        for name, workers, trigger, fault_text in [] if skip else CASES:
             folder = root / name.replace(" ", "_")
             _mount_tmpfs(folder)
             mounts.append(folder)
             if name == "immutable journal":
                 folder = _chattr_folder(folder, root / "ext")
             if name == "full at the checkpoint":  # reports go off the tmpfs: the checkpoint is the write that fails
-                (root / "reports").mkdir()
                 (folder / "r_report").symlink_to(root / "reports")
             cases.append(Case(name, folder, workers, trigger, fault_text))
-        done: dict = {}
-        threads = [
-            threading.Thread(target=lambda c=c: done.update({c.name: _run_case(c, cli_env, root)})) for c in cases
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        yield {c.name: (c, *done[c.name]) for c in cases}
+    except _Skip as e:
+        skip = str(e)
+    for c in [] if skip else cases:
+        threads[c.name] = threading.Thread(target=lambda c=c: done.update({c.name: (c, *_run_case(c, cli_env, root))}))
+        threads[c.name].start()
+
+    def result(name: str):
+        if skip:
+            pytest.skip(skip)
+        threads[name].join()
+        return done[name]
+
+    try:
+        yield result
     finally:
+        for t in threads.values():
+            t.join()
         for c in cases:
             if c.name == "immutable journal":
                 _sh("chattr", "-i", str(c.journal))
@@ -288,9 +305,9 @@ def faults(tmp_path_factory, cli_env):
                 assert _sh("umount", str(m)).returncode == 0
 
 
-@pytest.mark.parametrize("name", ["disk full", "read-only", "immutable journal", "full at the checkpoint"])
+@pytest.mark.parametrize("name", [c[0] for c in CASES])
 def test_fault_is_one_line_and_a_rerun_resumes(faults, reference, capsys, name):
-    case, rc, out, err = faults[name]
+    case, rc, out, err = faults(name)
     lines = err.strip().splitlines()
     assert rc == 1 and len(lines) == 1 and "Traceback" not in err, (rc, err[-3000:])
     line = lines[0]

@@ -148,7 +148,11 @@ def journal_path(db: Path) -> Path:
 
 
 def store_files(db: Path) -> tuple[Path, ...]:
-    """The files that make up a store: the database, its write-ahead log and the Optuna journal beside it."""
+    """The files that make up a store: the database, its write-ahead log and the Optuna journal beside it.
+
+    A damaged journal the sweep moved aside (``<journal>.damaged-<time>``) is no part of it: nothing reads it,
+    it is kept for inspection only, so it is not protected like these.
+    """
     return db, Path(f"{db}.wal"), journal_path(db)
 
 

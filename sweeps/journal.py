@@ -119,19 +119,6 @@ def repair(path: Path) -> str | None:
     return f"journal {path}: {d.why}; dropped it, {rebuilt}"
 
 
-class _Backend(JournalFileBackend):
-    """Optuna's journal file backend whose write faults name the journal: Optuna's own ``OSError`` from writing
-    the open file carries no file name (and a failed write is later masked as "Should not reach.")."""
-
-    def append_logs(self, logs: list[dict]) -> None:
-        try:
-            super().append_logs(logs)
-        except OSError as e:
-            if e.errno is None:
-                raise
-            raise OSError(e.errno, os.strerror(e.errno), self._file_path) from e
-
-
 def storage(path: Path) -> optuna.storages.JournalStorage:
     """The Optuna storage over the journal at ``path`` (created when absent)."""
-    return optuna.storages.JournalStorage(_Backend(str(path)))
+    return optuna.storages.JournalStorage(JournalFileBackend(str(path)))

@@ -323,3 +323,26 @@ def test_fault_is_one_line_and_a_rerun_resumes(faults, reference, capsys, name):
     again = capsys.readouterr().err.strip().splitlines()
     assert all(ln.startswith(f"journal {case.journal}: ") for ln in again) and len(again) <= 1, again
     assert losses(case.db) == losses(reference)
+
+
+def test_report_write_fault_is_one_line(reference, tmp_path, capsys):
+    """A report the sweep cannot write (its folder's disk is full: the write fails on the open file, whose error
+    names no file) is one line naming it, exit 1; the rerun writes it."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    db = copy_store(reference, tmp_path)
+    reports = tmp_path / f"{db.stem}_report"
+    reports.mkdir()
+    if (r := _sh("mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(reports))).returncode:
+        pytest.skip(f"cannot mount a tmpfs: {r.stderr.strip()}")
+    try:
+        filler = _fill(reports)
+        assert sweep(db, "sweep.workers=1") == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: {reports}/") and "No space left on device" in err[0], err
+        assert "fits.json: " in err[0]  # the first file run_all writes
+        filler.unlink()
+        assert sweep(db, "sweep.workers=1") == 0 and (next(reports.iterdir()) / "report.md").exists()
+        assert losses(db) == losses(reference)
+    finally:
+        _sh("umount", str(reports))

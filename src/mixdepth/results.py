@@ -8,6 +8,7 @@ curve together), so an interrupted or failed write leaves no partial rows.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import re
@@ -169,10 +170,25 @@ def io_fault(e: BaseException) -> str | None:
         chain.append(e)
         e = e.__cause__ or e.__context__
     for exc in reversed(chain):
-        if isinstance(exc, OSError) and exc.errno is not None and exc.filename is not None:
-            return f"{exc.filename}: {os.strerror(exc.errno)}"
+        if isinstance(exc, OSError) and exc.errno is not None and (name := exc.filename or _open_file(exc)):
+            return f"{name}: {os.strerror(exc.errno)}"
         if isinstance(exc, duckdb.Error) and (m := _DUCKDB_FILE_FAULT.search(str(exc))):
             return f"{m['path']}: {m['why']}"
+    return None
+
+
+def _open_file(e: BaseException) -> str | None:
+    """The name of the file a failed write was writing: an error from writing an open file (not opening one)
+    carries no file name, but the innermost frame that raised it still holds the file object."""
+    tb = e.__traceback__
+    frames = []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        for v in frame.f_locals.values():
+            if isinstance(v, io.IOBase) and isinstance(getattr(v, "name", None), str):
+                return v.name
     return None
 
 

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--db", type=Path, default=Path("results.db"), help="DuckDB file (default: results.db)")
     args = p.parse_args(argv)
 
-    from mixdepth.results import StoreError
+    from mixdepth.results import StoreError, io_fault
 
     if args.cmd == "status":  # torch-free: reads the store and the Optuna journal only
         from sweeps.status import status_table
@@ -52,6 +52,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         except StoreError as e:
             print(f"error: {e}", file=sys.stderr)
+            return 1
+        except Exception as e:
+            if (fault := io_fault(e)) is None:
+                raise
+            print(f"error: {fault}", file=sys.stderr)
             return 1
 
     from mixdepth.config import ConfigError, DataError
@@ -72,6 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted: finished runs are in the database; rerun the same command to resume", file=sys.stderr)
         return 130
+    except Exception as e:  # a write the sweep makes failed: the journal, the database, the report, ...
+        if (fault := io_fault(e)) is None:
+            raise  # a bug: keep its traceback
+        print(f"error: {fault}; finished runs are in the database, rerun once that is fixed", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

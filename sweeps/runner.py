@@ -19,6 +19,8 @@ from mixdepth import results
 from mixdepth.config import ConfigError, LabConfig
 from mixdepth.data import load_corpus
 from mixdepth.train import RunConfig, RunResult, fit, resolve_device
+from sweeps.journal import repair
+from sweeps.journal import storage as journal_storage
 from sweeps.paths import SweepPaths
 from sweeps.plan import Trial, plan, sweep_id, table
 
@@ -55,13 +57,18 @@ def run_record(sid: str, trial: Trial, lab: LabConfig, metrics: results.RunMetri
 
 
 def _queue(journal: Path, sid: str, todo: list[Trial], all_ids: list[str]) -> optuna.Study:
-    """The Optuna study in ``journal``; stale RUNNING/WAITING trials of a killed process are failed first."""
-    optuna.logging.set_verbosity(optuna.logging.ERROR)  # a failed trial is ours to report (Optuna logs tracebacks)
+    """The Optuna study in ``journal``, rebuilt from the database's view: a damaged journal is repaired or
+    replaced (one line on stderr), stale RUNNING/WAITING trials of a killed process are failed, and the runs the
+    database lacks (``todo``) are enqueued."""
+    # ERROR: a failed trial is this runner's exception to report (catch=()); Optuna's warning would repeat it
+    # with a traceback
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
     # The caller holds the store's write lock and the journal is that store's alone: a journal lock file
     # (Optuna's "<journal>.lock") still there is a killed process's, which Optuna would wait 30 s out.
     Path(f"{journal}.lock").unlink(missing_ok=True)
-    backend = optuna.storages.journal.JournalFileBackend(str(journal))
-    storage = optuna.storages.JournalStorage(backend)
+    if note := repair(journal):  # a torn append (disk full, kill) would make every later read fail
+        print(note, file=sys.stderr, flush=True)
+    storage = journal_storage(journal)
     study = optuna.create_study(
         study_name=sid,
         storage=storage,
@@ -100,7 +107,9 @@ def run_isoflop(lab: LabConfig, preset: str, paths: SweepPaths, dry_run: bool = 
     load_corpus(lab.data)  # fail on a bad corpus before the database is touched; fills the cache workers read
     con = results.connect(paths.db)  # held for the whole sweep: the one writer of this database
     try:
-        return _run(lab, paths, con, sid, preset, trials, gpus)
+        rc = _run(lab, paths, con, sid, preset, trials, gpus)
+        results.checkpoint(con, paths.db)  # a failure at close would go unreported
+        return rc
     finally:
         con.close()
 

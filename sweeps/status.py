@@ -2,21 +2,28 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from mixdepth import results
+from sweeps.journal import damage
+from sweeps.journal import storage as journal_storage
 from sweeps.paths import SweepPaths
 
 
 def _queue_counts(journal: Path) -> dict[str, tuple[int, int]]:
-    """sweep_id -> (planned runs, failed attempts) from the Optuna journal. An attempt is a trial that started:
-    queued trials that a killed sweep never began are failed on the next start, but were never tried."""
+    """sweep_id -> (planned runs, failed attempts) from the Optuna journal; nothing (shown "?") from a damaged
+    one, which is left as it is (the next sweep run repairs it) with one warning line on stderr. An attempt is a
+    trial that started: queued trials that a killed sweep never began are failed on the next start, not tried."""
     if not journal.exists():
+        return {}
+    if d := damage(journal):
+        print(f"warning: journal {journal}: {d.why}; the next sweep run repairs it", file=sys.stderr)
         return {}
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(journal)))
+    storage = journal_storage(journal)
     out = {}
     for summary in optuna.get_all_study_summaries(storage, include_best_trial=False):
         study = optuna.load_study(study_name=summary.study_name, storage=storage)

@@ -8,9 +8,12 @@ curve together), so an interrupted or failed write leaves no partial rows.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
-from collections.abc import Iterable, Mapping
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, get_args, get_type_hints
@@ -146,8 +149,74 @@ def journal_path(db: Path) -> Path:
 
 
 def store_files(db: Path) -> tuple[Path, ...]:
-    """The files that make up a store: the database, its write-ahead log and the Optuna journal beside it."""
+    """The files that make up a store: the database, its write-ahead log and the Optuna journal beside it.
+
+    A damaged journal the sweep moved aside (``<journal>.damaged-<time>``) is no part of it: nothing reads it,
+    it is kept for inspection only, so it is not protected like these.
+    """
     return db, Path(f"{db}.wal"), journal_path(db)
+
+
+# How DuckDB names the file of an IO error: ... file "<path>": <the C library's errno text>
+_DUCKDB_FILE_FAULT = re.compile(r'file "(?P<path>[^"]+)": (?P<why>[^\n"]+?)\s*$', re.MULTILINE)
+
+
+def io_fault(e: BaseException) -> str | None:
+    """``"<file>: <fault>"`` for a filesystem fault (disk full, read-only, immutable file, ...) behind ``e``, or
+    None when its chain (``__cause__``, ``__context__``) holds none; the earliest fault wins: later errors are
+    its consequences (a ROLLBACK after a failed COMMIT, Optuna's "Should not reach." after a failed write)."""
+    chain: list[BaseException] = []
+    while e is not None and e not in chain:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    for exc in reversed(chain):
+        if isinstance(exc, OSError) and exc.errno is not None and (name := exc.filename or _open_file(exc)):
+            return f"{name}: {os.strerror(exc.errno)}"
+        if isinstance(exc, duckdb.Error) and (m := _DUCKDB_FILE_FAULT.search(str(exc))):
+            return f"{m['path']}: {m['why']}"
+    return None
+
+
+def _open_file(e: BaseException) -> str | None:
+    """The name of the file a failed write was writing: an error from writing an open file (not opening one)
+    carries no file name, but the innermost frame that raised it still holds the file object."""
+    tb = e.__traceback__
+    frames = []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        for v in frame.f_locals.values():
+            if isinstance(v, io.IOBase) and isinstance(getattr(v, "name", None), str):
+                return v.name
+    return None
+
+
+def checkpoint(con: duckdb.DuckDBPyConnection, path: Path) -> None:
+    """Write the WAL into the database file now (DuckDB would at close, and say nothing when that fails)."""
+    try:
+        con.execute("CHECKPOINT")
+    except duckdb.Error as e:
+        fault = io_fault(e) or _first_line(e)
+        raise StoreError(
+            f"cannot checkpoint database {path} ({fault}); every stored run is safe in its write-ahead log"
+            f" {path}.wal, which the next command to open it replays once the fault is fixed"
+        ) from None
+
+
+@contextmanager
+def _transaction(con: duckdb.DuckDBPyConnection) -> Iterator[None]:
+    """BEGIN ... COMMIT, rolled back on any error; a COMMIT that failed (disk full) has ended the transaction."""
+    con.execute("BEGIN")
+    try:
+        yield
+        con.execute("COMMIT")
+    except BaseException:
+        try:
+            con.execute("ROLLBACK")
+        except duckdb.TransactionException:  # "no transaction is active": the failed COMMIT ended it
+            pass
+        raise
 
 
 def _first_line(e: BaseException) -> str:
@@ -190,6 +259,8 @@ def connect(path: str | os.PathLike, read_only: bool = False) -> duckdb.DuckDBPy
             con.execute("COMMIT")
         except duckdb.Error as e:
             con.close()
+            if fault := io_fault(e):
+                raise StoreError(f"cannot write database {p}: {fault}") from None
             raise StoreError(f"database {p} has an incompatible schema: {_first_line(e)}") from None
     return con
 
@@ -255,8 +326,7 @@ def add_run(
         raise StoreError(f"unknown run columns: {sorted(unknown)}")
     cols = [c for c in RUN_COLUMNS if c in row]
     values = [_json(row[c]) for c in cols]
-    con.execute("BEGIN")
-    try:
+    with _transaction(con):
         con.execute("DELETE FROM curves WHERE run_id = ?", [row["run_id"]])
         con.execute("DELETE FROM runs WHERE run_id = ?", [row["run_id"]])
         con.execute(
@@ -266,17 +336,12 @@ def add_run(
         points = [(row["run_id"], p["step"], p["tokens"], p["flops"], p["train_loss"], p["lr"]) for p in curve]
         if points:
             con.executemany("INSERT INTO curves VALUES (?, ?, ?, ?, ?, ?)", points)
-        con.execute("COMMIT")
-    except BaseException:
-        con.execute("ROLLBACK")
-        raise
 
 
 def add_fits(con: duckdb.DuckDBPyConnection, rows: Iterable[Mapping[str, Any]]) -> None:
     """Replace the fits of each (sweep_id, arch, method, budget) given, atomically."""
     rows = list(rows)
-    con.execute("BEGIN")
-    try:
+    with _transaction(con):
         for r in rows:
             con.execute(
                 "DELETE FROM fits WHERE sweep_id IS NOT DISTINCT FROM ? AND arch = ? AND method = ?"
@@ -297,7 +362,3 @@ def add_fits(con: duckdb.DuckDBPyConnection, rows: Iterable[Mapping[str, Any]]) 
                     r.get("objective"),
                 ],
             )
-        con.execute("COMMIT")
-    except BaseException:
-        con.execute("ROLLBACK")
-        raise

@@ -41,6 +41,7 @@ def identity(lab: LabConfig) -> dict:
     d = lab.sections()
     d["train"].pop("progress")
     d["sweep"].pop("workers")
+    d["sweep"].pop("retries")
     return d
 
 

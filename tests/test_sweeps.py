@@ -103,7 +103,10 @@ def test_display_settings_do_not_change_the_sweep():
     from sweeps.plan import plan, sweep_id
 
     conf = Path(__file__).resolve().parents[1] / "conf"
-    a, b = load_config(conf, "isoflop", ["train.progress=true"]), load_config(conf, "isoflop", ["train.progress=false"])
+    a, b = (
+        load_config(conf, "isoflop", ["train.progress=true"]),
+        load_config(conf, "isoflop", ["train.progress=false", "sweep.retries=0"]),
+    )
     assert sweep_id(a, "isoflop") == sweep_id(b, "isoflop")
     c = load_config(conf, "isoflop", ["train.lr=1e-3"])
     assert sweep_id(c, "isoflop") != sweep_id(a, "isoflop")

@@ -71,6 +71,8 @@ class Sweep:
         self.lines: list[str] = []
         self.acted = threading.Event()
         self.error: BaseException | None = None
+        self.seen: list[str] = []  # _kill_the_sweep: its session before the kill, and what still ran 5 s after
+        self.left: list[str] = []
         self._reader = threading.Thread(target=self._read, args=(at, action), daemon=True)
         self._reader.start()
 
@@ -127,10 +129,12 @@ def sweeps(tmp_path_factory, cli_env):
         "orphaned": Sweep(d, "orphaned", cli_env, at=1, action=_kill_the_sweep),
     }
     yield out
-    for s in out.values():  # a failed test leaves nothing running
-        if s.proc.poll() is None:
+    for s in out.values():  # nothing left running, whatever failed (each sweep is its own process group)
+        try:
             os.killpg(s.proc.pid, signal.SIGKILL)
-            s.proc.wait()
+        except ProcessLookupError:
+            pass
+        s.proc.wait()
 
 
 def _losses(db) -> dict[str, float]:

@@ -34,7 +34,7 @@ def digest(obj: Any, n: int = 12) -> str:
 
 # Keys that change how a sweep is shown, scheduled or fitted, never what a run trains to: not part of its identity,
 # so changing one resumes the same sweep and reuses every stored run.
-NOT_IDENTITY = {"train": ("progress",), "sweep": ("name", "workers", "bootstrap")}
+NOT_IDENTITY = {"train": ("progress",), "sweep": ("name", "workers", "retries", "bootstrap")}
 
 
 def identity(lab: LabConfig) -> dict:

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
 import os
-import signal
 import sys
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -23,6 +20,7 @@ from sweeps.journal import repair
 from sweeps.journal import storage as journal_storage
 from sweeps.paths import SweepPaths
 from sweeps.plan import Trial, plan, sweep_id, table
+from sweeps.pool import Pool
 
 
 def run_record(sid: str, trial: Trial, lab: LabConfig, metrics: results.RunMetrics) -> results.RunRecord:
@@ -144,6 +142,15 @@ def _record(con, sid: str, lab: LabConfig, t: Trial, res: RunResult, tag: str = 
     return math.inf if m.val_loss is None else m.val_loss  # Optuna needs a number; the store holds NULL
 
 
+def _gave_up(failed: dict[str, str], attempts: int) -> str:
+    """The sweep's one error line for runs left out after their last attempt failed."""
+    n, s = len(failed), (lambda k: "s" * (k > 1))
+    return (
+        f"error: {n} run{s(n)} failed after {attempts} attempt{s(attempts)} (run_id {', '.join(failed)}):"
+        f" {next(iter(failed.values()))}; rerun the same command to retry {'them' if n > 1 else 'it'}"
+    )
+
+
 def _run(lab: LabConfig, paths: SweepPaths, con, sid: str, preset: str, trials: list[Trial], gpus: list[str]) -> int:
     results.add_sweep(con, sid, lab.sweep.name, preset, lab.sections())
     done = results.finished_run_ids(con)
@@ -162,11 +169,13 @@ def _run(lab: LabConfig, paths: SweepPaths, con, sid: str, preset: str, trials: 
         return _record(con, sid, lab, t, fit(RunConfig(model=t.model, data=lab.data, train=lab.train, steps=t.steps)))
 
     start = time.perf_counter()
+    failed = {}
     if todo and lab.sweep.workers > 1:
-        _run_pool(lab, con, sid, study, by_id, len(todo), gpus)
+        failed = _run_pool(lab, con, sid, study, by_id, len(todo), gpus)
     elif todo:
         study.optimize(objective, n_trials=len(todo), catch=())
-    print(f"trained {len(todo)} runs in {time.perf_counter() - start:.0f}s")
+    print(f"trained {len(todo) - len(failed)} runs in {time.perf_counter() - start:.0f}s")
+    gave_up = _gave_up(failed, lab.sweep.retries + 1) if failed else ""
 
     n_div, n_ok = con.execute(
         "SELECT count(*) FILTER (WHERE status = 'diverged'), count(*) FILTER (WHERE status = 'ok')"
@@ -176,7 +185,10 @@ def _run(lab: LabConfig, paths: SweepPaths, con, sid: str, preset: str, trials: 
     if n_div:
         print(f"{n_div} of {n_div + n_ok} runs diverged (a loss not finite): stored with NULL losses, not fitted")
     if not n_ok:
-        print(f"error: no run of sweep {sid} has a finite loss, nothing to fit; lower train.lr", file=sys.stderr)
+        print(
+            gave_up or f"error: no run of sweep {sid} has a finite loss, nothing to fit; lower train.lr",
+            file=sys.stderr,
+        )
         return 1
 
     from analysis.pipeline import run_all
@@ -185,54 +197,60 @@ def _run(lab: LabConfig, paths: SweepPaths, con, sid: str, preset: str, trials: 
     print(f"results: {paths.db}")
     for name, p in written.items():
         print(f"{name}: {p}")
+    if gave_up:
+        print(gave_up, file=sys.stderr)
+        return 1
     return 0
-
-
-def _init_worker(gpus: mp.queues.Queue | None) -> None:
-    """Pool worker start: Ctrl-C is the parent's to handle; take this worker's GPU before CUDA starts."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if gpus is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = gpus.get()
 
 
 def _run_pool(
     lab: LabConfig, con, sid: str, study: optuna.Study, by_id: dict[str, Trial], n: int, gpus: list[str]
-) -> None:
-    """Train the n queued runs in sweep.workers spawned processes; only this process writes the store and journal."""
+) -> dict[str, str]:
+    """Train the n queued runs in sweep.workers spawned processes; only this process writes the store and journal.
+
+    A run whose worker dies or whose fit raises fails that attempt (a FAIL trial, no row) and is queued again, at
+    most sweep.retries times. Returns the runs given up on: run_id -> why their last attempt failed.
+    """
     workers = lab.sweep.workers
     threads = lab.train.threads or max(1, (os.cpu_count() or 1) // workers)
     train = replace(lab.train, threads=threads, progress=False)  # progress bars of several processes would mix
-    ctx = mp.get_context("spawn")  # never fork a process whose torch threads exist
-    queue = ctx.Queue() if gpus else None
-    for g in gpus:
-        queue.put(g)
-    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(queue,))
-    running: dict[Future, tuple[int, optuna.Trial, Trial]] = {}
-
-    def finish_one() -> None:
-        done = wait(running, return_when=FIRST_COMPLETED).done
-        for f in sorted(done, key=lambda f: f.exception() is not None):  # store the good ones before raising
-            i, trial, t = running[f]
-            value = _record(con, sid, lab, t, f.result(), f"[{i}/{n}] ")
-            del running[f]
-            study.tell(trial, value)
-
-    try:
-        for i in range(1, n + 1):
-            if len(running) == workers:
-                finish_one()
-            trial = study.ask()
-            t = by_id[trial.suggest_categorical("run_id", list(by_id))]
-            print(_header(i, n, t), flush=True)
-            run = RunConfig(model=t.model, data=lab.data, train=train, steps=t.steps)
-            running[pool.submit(fit, run)] = (i, trial, t)
-        while running:
-            finish_one()
-    except BaseException:  # a failed run or Ctrl-C: unfinished runs leave no row and fail in the journal
-        for _, trial, _ in running.values():
-            study.tell(trial, state=optuna.trial.TrialState.FAIL)
-        for p in list(pool._processes.values()):  # no public kill_workers() before Python 3.14
-            p.kill()  # not SIGTERM: Lightning catches it while training
-        raise
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+    attempts = lab.sweep.retries + 1
+    index: dict[str, int] = {}  # run_id -> i of its "[i/n]"
+    tries: dict[str, int] = {}
+    running: dict[str, optuna.Trial] = {}
+    failed: dict[str, str] = {}
+    queued = n
+    with Pool(workers, gpus) as pool:
+        try:
+            while queued or running:
+                while queued and pool.free:
+                    trial = study.ask()
+                    queued -= 1
+                    t = by_id[trial.suggest_categorical("run_id", list(by_id))]
+                    i = index.setdefault(t.run_id, len(index) + 1)
+                    k = tries[t.run_id] = tries.get(t.run_id, 0) + 1
+                    print(_header(i, n, t) + (f" (attempt {k} of {attempts})" if k > 1 else ""), flush=True)
+                    pool.submit(t.run_id, RunConfig(model=t.model, data=lab.data, train=train, steps=t.steps))
+                    running[t.run_id] = trial
+                rid, res, why = pool.wait()
+                i, k = index[rid], tries[rid]
+                if why is None:
+                    value = _record(con, sid, lab, by_id[rid], res, f"[{i}/{n}] ")
+                    study.tell(running.pop(rid), value)
+                    continue
+                study.tell(running.pop(rid), state=optuna.trial.TrialState.FAIL)
+                again = k < attempts
+                print(
+                    f"    [{i}/{n}] attempt {k} of {attempts} failed: {why}; {'queued again' if again else 'left out'}",
+                    flush=True,
+                )
+                if again:
+                    study.enqueue_trial({"run_id": rid})  # a new trial of the same run, behind the queued ones
+                    queued += 1
+                else:
+                    failed[rid] = why
+        except BaseException:  # Ctrl-C (or a store error): unfinished runs leave no row and fail in the journal
+            for trial in running.values():
+                study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            raise
+    return failed

@@ -190,6 +190,7 @@ def test_report_folder_holding_the_store_is_refused(cli, db):
         ("train.lr=inf", "train.lr"),
         ("sweep.min_steps=0", "sweep.min_steps"),
         ("sweep.bootstrap=-1", "sweep.bootstrap"),
+        ("sweep.retries=-1", "sweep.retries"),
         ("sweep.archs=[]", "sweep.archs"),
         ("sweep.budgets=[inf]", "sweep.budgets"),
         ("sweep.budgets=[1e11,1e11]", "sweep.budgets"),

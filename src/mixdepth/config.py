@@ -102,6 +102,7 @@ class SweepConfig:
     min_steps: int = 20  # grid points that would train fewer steps are left out of the plan
     bootstrap: int = 200  # bootstrap resamples for fit confidence intervals
     workers: int = 1  # runs trained at once in spawned processes (CPU: cores/workers threads each; GPU: one per GPU)
+    retries: int = 1  # with workers > 1: a run whose worker dies (or whose fit raises) is tried 1 + retries times
 
 
 @dataclass(frozen=True)
@@ -251,6 +252,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "sweep.min_steps": _count(1),
     "sweep.bootstrap": _count(0),
     "sweep.workers": _count(1),
+    "sweep.retries": _count(0),
     "data.tokenizer": _one_of("bytes", "bpe"),  # data/tokenizer.py
     "data.bpe_vocab_size": (lambda v: v > 256, "> 256 (the byte alphabet)"),
     "data.bin_dtype": _one_of("uint16", "uint32"),  # data/sources.py BIN_DTYPES

@@ -1,0 +1,140 @@
+"""The sweep's training processes: spawned workers with a pipe each, started when a run needs one and replaced by a
+fresh one (on the same GPU) when a run fails in them. Workers end when the sweep process dies, whatever kills it."""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _die_with(parent: int) -> None:
+    """Have the kernel SIGKILL this worker when the sweep process exits (Linux), and exit now if it already has."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # died before prctl: this process is an orphan already
+        os._exit(1)
+
+
+def _read(conn: Connection, jobs: queue.SimpleQueue) -> None:
+    """Pass the parent's jobs on to the training thread; at EOF, the parent closed its end or died, exit (the
+    portable half of ``_die_with``). Raw bytes: this thread must not import while the main thread does."""
+    while True:
+        try:
+            jobs.put(conn.recv_bytes())
+        except (EOFError, OSError):
+            os._exit(0)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
+def _serve(conn: Connection, gpu: str | None, parent: int) -> None:
+    """A worker's main: fit each RunConfig that arrives; send back ("ok", RunResult) or ("error", why)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    _die_with(parent)
+    jobs: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=_read, args=(conn, jobs), daemon=True).start()
+    if gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu  # before torch, let alone CUDA, starts
+    from mixdepth.train import fit
+
+    while True:
+        run = pickle.loads(jobs.get())
+        try:
+            reply = ("ok", fit(run))
+        except Exception as e:  # e.g. torch.OutOfMemoryError; SystemExit ends the worker, reported as its death
+            reply = ("error", _first_line(e))
+        conn.send(reply)
+
+
+@dataclass
+class _Slot:
+    gpu: str | None
+    process: Any = None  # a spawn context Process, started at the first job
+    conn: Connection | None = None
+    key: Any = None  # the caller's key of the run in flight; None when idle
+
+
+class Pool:
+    """At most ``n`` worker processes, one GPU each when ``gpus`` are given; only this process talks to them.
+
+    Use as a context manager: leaving it normally lets idle workers exit, leaving it by an exception (Ctrl-C)
+    kills them at once (SIGKILL: Lightning catches SIGTERM while training).
+    """
+
+    def __init__(self, n: int, gpus: list[str]):
+        self._ctx = mp.get_context("spawn")  # never fork a process whose torch threads exist
+        self._slots = [_Slot(gpus[i] if gpus else None) for i in range(n)]
+
+    def __enter__(self) -> Pool:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        for s in self._slots:
+            self._end(s, kill=exc_type is not None)
+
+    @property
+    def free(self) -> int:
+        return sum(s.key is None for s in self._slots)
+
+    def submit(self, key: Any, run: Any) -> None:
+        """Start ``run`` (a RunConfig) on an idle worker; ``wait`` reports its end under ``key``."""
+        s = min((s for s in self._slots if s.key is None), key=lambda s: s.process is None)  # a live one first
+        if s.process is None:
+            ours, theirs = self._ctx.Pipe()
+            s.process = self._ctx.Process(target=_serve, args=(theirs, s.gpu, os.getpid()))
+            s.process.start()  # from the main thread: PR_SET_PDEATHSIG follows the thread that started the worker
+            theirs.close()  # the worker's end: the parent holds none, so the worker sees EOF when the parent dies
+            s.conn = ours
+        s.key = key
+        try:
+            s.conn.send_bytes(pickle.dumps(run))
+        except OSError:  # it died while idle: wait() finds its sentinel fired and reports this run's attempt failed
+            pass
+
+    def wait(self) -> tuple[Any, Any, str | None]:
+        """Block until a run ends: ``(key, RunResult, None)``, or ``(key, None, why)`` when its fit raised or its
+        worker died (then the worker is replaced by a fresh one, started with its next job)."""
+        busy = [s for s in self._slots if s.key is not None]
+        ready = wait([s.conn for s in busy] + [s.process.sentinel for s in busy])
+        s = next(s for s in busy if s.conn in ready or s.process.sentinel in ready)
+        key, s.key = s.key, None
+        try:
+            status, value = s.conn.recv() if s.conn.poll() else ("died", None)  # poll: a message or EOF
+        except (EOFError, OSError):  # the pipe closed before a whole reply: it died
+            status, value = "died", None
+        if status == "ok":
+            return key, value, None
+        self._end(s, kill=status == "error")  # a dead one is only reaped: its exit code says how it died
+        if status == "error":
+            why = value
+        else:
+            code = s.process.exitcode
+            why = f"worker died (signal {-code})" if code < 0 else f"worker exited with code {code}"
+        s.process = s.conn = None
+        return key, None, why
+
+    @staticmethod
+    def _end(s: _Slot, kill: bool) -> None:
+        if s.process is None:
+            return
+        s.conn.close()  # an idle worker exits at this EOF
+        if kill:
+            s.process.kill()
+        s.process.join(10)
+        if s.process.exitcode is None:
+            s.process.kill()
+            s.process.join()

@@ -1,0 +1,214 @@
+"""sweep.workers=2 with real processes: a worker killed mid-run (kill -9) costs that run one attempt, retried or left
+out for a rerun, with the results of an uninterrupted sweep either way; a killed sweep leaves no process behind."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import duckdb
+import optuna
+import pytest
+
+from mixdepth.results import journal_path
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+ARGS = [  # 4 runs: two short ones at the first budget, then two ~4x longer ones while the kills land
+    "sweep.name=pool",
+    "sweep.archs=[dense]",
+    "sweep.budgets=[2.5e8,1e9]",
+    "sweep.ladder=[{d_model: 16, n_layers: 1, n_heads: 2}, {d_model: 24, n_layers: 1, n_heads: 2}]",
+    "sweep.min_steps=4",
+    "sweep.bootstrap=10",
+    "sweep.workers=2",
+    "train.batch_size=4",
+    "train.threads=1",
+    "train.progress=false",
+    "train.accelerator=cpu",
+    "data.max_bytes=200000",
+    "data.val_tokens=2048",
+    "data.seq_len=32",
+]
+
+
+def _procs() -> dict[int, tuple[int, int, str]]:
+    """pid -> (parent pid, session id, state) of every process on the machine."""
+    out = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    stat = f.read()
+            except OSError:  # ended meanwhile
+                continue
+            state, ppid, _, sid = stat[stat.rindex(")") + 2 :].split()[:4]
+            out[int(name)] = (int(ppid), int(sid), state)
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+class Sweep:
+    """``python -m sweeps isoflop`` in a session of its own; ``action(self)`` runs from the reader thread as soon as
+    the ``at``-th finished run's line is printed (both workers are training then: 4 runs, 2 workers)."""
+
+    def __init__(self, d, name: str, env, *extra: str, at: int = 0, action=None):
+        self.db = d / f"{name}.db"
+        self.err = (d / f"{name}.err").open("w+")
+        cmd = [sys.executable, "-m", "sweeps", "isoflop", "--db", str(self.db), *ARGS, *extra]
+        self.proc = subprocess.Popen(
+            cmd, cwd=d, env=env, stdout=subprocess.PIPE, stderr=self.err, text=True, start_new_session=True
+        )
+        self.lines: list[str] = []
+        self.acted = threading.Event()
+        self.error: BaseException | None = None
+        self.seen: list[str] = []  # _kill_the_sweep: its session before the kill, and what still ran 5 s after
+        self.left: list[str] = []
+        self._reader = threading.Thread(target=self._read, args=(at, action), daemon=True)
+        self._reader.start()
+
+    def _read(self, at: int, action) -> None:
+        finished = 0
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            finished += "val_loss=" in line
+            if action and finished == at and not self.acted.is_set():
+                try:
+                    action(self)
+                except BaseException as e:  # reported by result(), not lost in this thread
+                    self.error = e
+                self.acted.set()
+
+    def workers(self) -> list[int]:
+        return [p for p, (ppid, _, _) in _procs().items() if ppid == self.proc.pid and "spawn_main" in _cmdline(p)]
+
+    def result(self, timeout: float = 300) -> tuple[int, str, str]:
+        rc = self.proc.wait(timeout)
+        self._reader.join(10)
+        assert self.error is None, self.error
+        self.err.seek(0)
+        return rc, "".join(self.lines), self.err.read()
+
+
+def _kill_a_worker(s: Sweep) -> None:
+    os.kill(s.workers()[0], signal.SIGKILL)
+
+
+def _kill_the_sweep(s: Sweep) -> None:
+    """kill -9 the sweep once both workers train; s.left: what of its session still runs 5 s later."""
+    time.sleep(0.5)  # the worker that finished the run has its next one
+    s.seen = [_cmdline(p) for p, (_, sid, _) in _procs().items() if sid == s.proc.pid]
+    assert len(s.workers()) == 2, s.seen
+    os.kill(s.proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while True:
+        s.left = [_cmdline(p) for p, (_, sid, state) in _procs().items() if sid == s.proc.pid and state != "Z"]
+        if not s.left or time.monotonic() > deadline:
+            return
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def sweeps(tmp_path_factory, cli_env):
+    """Four sweeps of ARGS at once: uninterrupted (sweep.workers=1: workers only schedule, and the results of the
+    in-process path are the pool's), a worker killed with a retry left, one killed without, and the sweep killed."""
+    d = tmp_path_factory.mktemp("workers")
+    out = {
+        "ref": Sweep(d, "ref", cli_env, "sweep.workers=1"),
+        "retried": Sweep(d, "retried", cli_env, at=1, action=_kill_a_worker),  # run 4 still queued
+        "left": Sweep(d, "left", cli_env, "sweep.retries=0", at=2, action=_kill_a_worker),  # nothing queued
+        "orphaned": Sweep(d, "orphaned", cli_env, at=1, action=_kill_the_sweep),
+    }
+    yield out
+    for s in out.values():  # nothing left running, whatever failed (each sweep is its own process group)
+        try:
+            os.killpg(s.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        s.proc.wait()
+
+
+def _losses(db) -> dict[str, float]:
+    """run_id -> val_loss, checking that no run is stored twice."""
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        rows = con.execute("SELECT run_id, val_loss FROM runs").fetchall()
+    finally:
+        con.close()
+    assert len(rows) == len({r for r, _ in rows}), rows
+    return dict(rows)
+
+
+def _trials(db) -> list[tuple[str, str]]:
+    """(run_id, state) of every started trial in the sweep's Optuna journal."""
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(journal_path(db))))
+    study = optuna.load_study(study_name=None, storage=storage)  # the one study of this store
+    return sorted((t.params["run_id"], t.state.name) for t in study.trials if t.params)
+
+
+@pytest.fixture(scope="module")
+def reference(sweeps):
+    rc, out, err = sweeps["ref"].result()
+    assert rc == 0, err[-2000:]
+    losses = _losses(sweeps["ref"].db)
+    assert len(losses) == 4 and all(v is not None for v in losses.values())
+    return losses
+
+
+def _failed_attempts(out: str) -> list[str]:
+    return [ln.strip() for ln in out.splitlines() if "failed: worker died (signal 9)" in ln]
+
+
+def test_a_killed_worker_costs_one_attempt_and_its_run_is_retried(sweeps, reference):
+    s = sweeps["retried"]
+    rc, out, err = s.result()
+    assert rc == 0 and "Traceback" not in err, err[-2000:]
+    (line,) = _failed_attempts(out)
+    assert "attempt 1 of 2 failed" in line and line.endswith("queued again"), line
+    assert "(attempt 2 of 2)" in out
+    assert _losses(s.db) == reference  # bit-identical: every run stored once, the retried one as if never killed
+    (retried,) = [rid for rid, state in _trials(s.db) if state == "FAIL"]
+    assert sorted(_trials(s.db)) == sorted([(rid, "COMPLETE") for rid in reference] + [(retried, "FAIL")])
+
+
+def test_a_run_left_out_after_its_last_attempt_is_trained_by_the_rerun(sweeps, reference, cli):
+    s = sweeps["left"]
+    rc, out, err = s.result()
+    lines = err.strip().splitlines()
+    assert rc == 1 and len(lines) == 1 and "Traceback" not in err, err[-2000:]
+    (line,) = _failed_attempts(out)
+    assert "attempt 1 of 1 failed" in line and line.endswith("left out"), line
+    stored = _losses(s.db)
+    (lost,) = set(reference) - set(stored)
+    assert lines[0] == (
+        f"error: 1 run failed after 1 attempt (run_id {lost}): worker died (signal 9);"
+        " rerun the same command to retry it"
+    )
+    assert stored == {k: v for k, v in reference.items() if k != lost}
+    assert "report: " in out  # the finished runs were fitted and reported all the same
+
+    again = cli("sweeps", "isoflop", "--db", str(s.db), *ARGS, "sweep.retries=0")
+    assert again.returncode == 0 and again.stderr == "", again.stderr[-2000:]
+    assert "4 runs planned, 3 already in" in again.stdout and "1 to run" in again.stdout
+    assert again.stdout.count("val_loss=") == 1
+    assert _losses(s.db) == reference
+    assert (lost, "FAIL") in _trials(s.db) and (lost, "COMPLETE") in _trials(s.db)
+
+
+def test_killing_the_sweep_leaves_no_process_behind(sweeps):
+    """kill -9 of the sweep process: its workers and the multiprocessing resource tracker end with it (a zombie,
+    state Z, has ended: only its exit status waits to be collected)."""
+    s = sweeps["orphaned"]
+    assert s.acted.wait(300), "".join(s.lines)
+    assert s.proc.wait(10) == -signal.SIGKILL and s.error is None, s.error
+    assert sum("resource_tracker" in c for c in s.seen) == 1 and len(s.seen) == 4, s.seen  # sweep, 2 workers, tracker
+    assert s.left == [], s.left

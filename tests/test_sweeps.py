@@ -105,8 +105,8 @@ def test_rerun_skips_finished_runs(swept):
     "setting", ["train.progress=false", "sweep.workers=1", "sweep.retries=0", "sweep.name=another", "sweep.bootstrap=7"]
 )
 def test_display_fit_and_scheduling_settings_do_not_change_the_sweep(setting):
-    """Only result-defining keys define a sweep: changing its label, bootstrap, workers, retries or progress bars resumes
-    the same sweep id and run ids (nothing retrained); a training key makes another sweep."""
+    """Only result-defining keys define a sweep: changing its label, bootstrap, workers, retries or progress bars
+    resumes the same sweep id and run ids (nothing retrained); a training key makes another sweep."""
     from pathlib import Path
 
     from mixdepth.config import load_config

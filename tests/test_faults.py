@@ -318,7 +318,11 @@ def test_fault_is_one_line_and_a_rerun_resumes(faults, reference, capsys, name):
     line = lines[0]
     assert line.startswith("error: ") and case.fault_text in line, line
     named = [f for f in results.store_files(case.db) if f"{f}:" in line or f"{f} (" in line]
-    assert named, line  # the database, its WAL or its journal
+    if name == "disk full":  # whichever write first needs a new page of the full tmpfs: the store's files, or the
+        # report when the sweep got past its last store write before it was paused (seen on a 16-core machine)
+        assert named or line.startswith(f"error: {case.folder}/"), line
+    else:
+        assert named, line  # the database, its WAL or its journal
     if name in ("read-only", "immutable journal"):
         assert named == [case.journal], line  # DuckDB writes through files it holds open; the journal is reopened
     if name == "full at the checkpoint":

@@ -22,6 +22,24 @@ def _cache(tmp_path_factory):
     os.environ.setdefault("MIXDEPTH_CACHE", str(tmp_path_factory.mktemp("cache")))
 
 
+@pytest.fixture(scope="session")
+def val_losses():
+    """``val_losses(db) -> {run_id: val_loss}`` of a store, checking that no run is stored twice: how the sweep
+    tests compare a resumed or faulted sweep with an uninterrupted one."""
+    import duckdb
+
+    def read(db) -> dict[str, float]:
+        con = duckdb.connect(str(db), read_only=True)
+        try:
+            rows = con.execute("SELECT run_id, val_loss FROM runs").fetchall()
+        finally:
+            con.close()
+        assert len(rows) == len({r for r, _ in rows}), rows
+        return dict(rows)
+
+    return read
+
+
 @pytest.fixture
 def poison_empty():
     """NaN-fills every uninitialised floating-point allocation during the test (torch.empty, empty_like,

@@ -41,20 +41,12 @@ def sweep(db: Path, *extra: str) -> int:
     return main(["isoflop", "--db", str(db), *FAULT, *extra])
 
 
-def losses(db: Path) -> dict[str, float]:
-    con = duckdb.connect(str(db), read_only=True)
-    try:
-        return dict(con.execute("SELECT run_id, val_loss FROM runs").fetchall())
-    finally:
-        con.close()
-
-
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
+def reference(tmp_path_factory, val_losses) -> Path:
     """An uninterrupted sweep's store (checkpointed: no WAL), shared by every case."""
     db = tmp_path_factory.mktemp("reference") / "r.db"
     assert sweep(db, "sweep.workers=1") == 0
-    assert len(losses(db)) == 2 and not Path(f"{db}.wal").exists()
+    assert len(val_losses(db)) == 2 and not Path(f"{db}.wal").exists()
     return db
 
 
@@ -94,7 +86,7 @@ def _damage_journal(db: Path, kind: str) -> tuple[Path, bytes]:
 
 
 @pytest.mark.parametrize("kind", DAMAGE)
-def test_damaged_journal_is_rebuilt_from_the_database(reference, tmp_path, capsys, kind):
+def test_damaged_journal_is_rebuilt_from_the_database(reference, tmp_path, capsys, val_losses, kind):
     """status shows "?" and one warning and leaves the journal as it is; the sweep repairs it (a torn or broken
     last line dropped) or moves it aside (a broken line before the end, NUL bytes), says so in one line, exit 0,
     and its results are the uninterrupted sweep's."""
@@ -112,7 +104,7 @@ def test_damaged_journal_is_rebuilt_from_the_database(reference, tmp_path, capsy
     out, err = capsys.readouterr()
     assert err.count("\n") == 1 and err.startswith(f"journal {journal}: "), err
     assert DAMAGE[kind][1] in err and "the queue is rebuilt from the database" in err
-    assert "0 to run" in out and losses(db) == losses(reference)
+    assert "0 to run" in out and val_losses(db) == val_losses(reference)
     assert damage(journal) is None
     aside = sorted(tmp_path.glob(f"{journal.name}.damaged-*"))
     if "moved it to" in err:  # kept for inspection, byte for byte
@@ -122,7 +114,7 @@ def test_damaged_journal_is_rebuilt_from_the_database(reference, tmp_path, capsy
 
 
 @pytest.mark.parametrize("kind", ["torn last line", "broken middle line"])
-def test_damaged_journal_and_a_run_missing_from_the_database(reference, tmp_path, capsys, kind):
+def test_damaged_journal_and_a_run_missing_from_the_database(reference, tmp_path, capsys, val_losses, kind):
     """The database is the record: the rerun trains exactly the run it lacks, whatever the journal said."""
     db = copy_store(reference, tmp_path)
     con = duckdb.connect(str(db))
@@ -135,7 +127,7 @@ def test_damaged_journal_and_a_run_missing_from_the_database(reference, tmp_path
     out, err = capsys.readouterr()
     assert err.count("\n") == 1 and err.startswith(f"journal {journal}: "), err
     assert "1 to run" in out and out.count("val_loss=") == 1 and "[1/1]" in out
-    assert losses(db) == losses(reference)
+    assert val_losses(db) == val_losses(reference)
 
 
 # --- faults mid-sweep: real processes, real filesystems ---
@@ -237,9 +229,9 @@ class _Skip(Exception):
     pass
 
 
-def _mount_tmpfs(folder: Path) -> None:
+def _mount_tmpfs(folder: Path, size: str = "24m") -> None:
     folder.mkdir()
-    r = _sh("mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(folder))
+    r = _sh("mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder))
     if r.returncode:
         raise _Skip(f"cannot mount a tmpfs ({r.stderr.strip()}): the fault tests need root")
 
@@ -311,7 +303,7 @@ def faults(request, tmp_path_factory, cli_env):
 
 
 @pytest.mark.parametrize("name", [c[0] for c in CASES])
-def test_fault_is_one_line_and_a_rerun_resumes(faults, reference, capsys, name):
+def test_fault_is_one_line_and_a_rerun_resumes(faults, reference, capsys, val_losses, name):
     case, rc, out, err = faults(name)
     lines = err.strip().splitlines()
     assert rc == 1 and len(lines) == 1 and "Traceback" not in err, (rc, err[-3000:])
@@ -331,19 +323,18 @@ def test_fault_is_one_line_and_a_rerun_resumes(faults, reference, capsys, name):
     assert sweep(case.db, "sweep.workers=1") == 0
     again = capsys.readouterr().err.strip().splitlines()
     assert all(ln.startswith(f"journal {case.journal}: ") for ln in again) and len(again) <= 1, again
-    assert losses(case.db) == losses(reference)
+    assert val_losses(case.db) == val_losses(reference)
 
 
-def test_report_write_fault_is_one_line(reference, tmp_path, capsys):
+def test_report_write_fault_is_one_line(reference, tmp_path, capsys, val_losses):
     """A report the sweep cannot write (its folder's disk is full: the write fails on the open file, whose error
     names no file) is one line naming it, exit 1; the rerun writes it."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
     db = copy_store(reference, tmp_path)
     reports = tmp_path / f"{db.stem}_report"
-    reports.mkdir()
-    if (r := _sh("mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(reports))).returncode:
-        pytest.skip(f"cannot mount a tmpfs: {r.stderr.strip()}")
+    try:
+        _mount_tmpfs(reports, size="1m")
+    except _Skip as e:
+        pytest.skip(str(e))
     try:
         filler = _fill(reports)
         assert sweep(db, "sweep.workers=1") == 1
@@ -352,6 +343,6 @@ def test_report_write_fault_is_one_line(reference, tmp_path, capsys):
         assert "fits.json: " in err[0]  # the first file run_all writes
         filler.unlink()
         assert sweep(db, "sweep.workers=1") == 0 and (next(reports.iterdir()) / "report.md").exists()
-        assert losses(db) == losses(reference)
+        assert val_losses(db) == val_losses(reference)
     finally:
         _sh("umount", str(reports))

@@ -23,16 +23,24 @@ GRID = [
 ]
 
 
-def losses(db) -> dict[str, float]:
-    con = results.connect(db, read_only=True)
-    try:
-        return dict(con.execute("SELECT run_id, val_loss FROM runs").fetchall())
-    finally:
-        con.close()
+def start(db, until: str, env, stderr=subprocess.PIPE) -> subprocess.Popen:
+    """The sweep of GRID into ``db`` as a subprocess, returned once it has printed a line starting ``until``."""
+    p = subprocess.Popen(
+        [sys.executable, "-m", "sweeps", "isoflop", "--db", str(db), *GRID],
+        cwd=db.parent,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        env=env,
+    )
+    for line in p.stdout:
+        if line.startswith(until):
+            break
+    return p
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, cli_env):
+def uninterrupted(tmp_path_factory, cli_env, val_losses):
     db = tmp_path_factory.mktemp("whole") / "results.db"
     r = subprocess.run(
         [sys.executable, "-m", "sweeps", "isoflop", "--db", str(db), *GRID],
@@ -42,23 +50,13 @@ def uninterrupted(tmp_path_factory, cli_env):
         timeout=600,
     )
     assert r.returncode == 0, r.stderr
-    return losses(db)
+    return val_losses(db)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_signal_in_training_exits_130_and_resumes(tmp_path, cli, cli_env, uninterrupted, sig):
+def test_signal_in_training_exits_130_and_resumes(tmp_path, cli, cli_env, uninterrupted, val_losses, sig):
     db = tmp_path / "results.db"
-    p = subprocess.Popen(
-        [sys.executable, "-m", "sweeps", "isoflop", "--db", str(db), *GRID],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=cli_env,
-    )
-    for line in p.stdout:
-        if line.startswith("[2/2]"):
-            break
+    p = start(db, "[2/2]", cli_env)
     time.sleep(2)
     p.send_signal(sig)
     _, err = p.communicate(timeout=120)
@@ -78,30 +76,20 @@ def test_signal_in_training_exits_130_and_resumes(tmp_path, cli, cli_env, uninte
     r = cli("sweeps", "isoflop", "--db", str(db), *GRID)
     assert r.returncode == 0, r.stderr
     assert "2 runs planned, 1 already in" in r.stdout
-    assert losses(db) == uninterrupted
+    assert val_losses(db) == uninterrupted
 
 
-def test_kill_9_then_rerun_resumes_and_counts_only_started_attempts(tmp_path, cli, cli_env, uninterrupted):
+def test_kill_9_then_rerun_resumes_and_counts_only_started_attempts(tmp_path, cli, cli_env, uninterrupted, val_losses):
     """A sweep killed outright leaves its run in flight RUNNING and the rest of the queue WAITING; the rerun fails
     both, trains what the store lacks, and ``status`` counts one failed attempt: queued trials never started."""
     db = tmp_path / "results.db"
-    p = subprocess.Popen(
-        [sys.executable, "-m", "sweeps", "isoflop", "--db", str(db), *GRID],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=cli_env,
-    )
-    for line in p.stdout:
-        if line.startswith("[1/2]"):  # trial 1 is RUNNING from here, trial 2 WAITING
-            break
+    p = start(db, "[1/2]", cli_env, stderr=subprocess.DEVNULL)  # trial 1 is RUNNING from here, trial 2 WAITING
     p.kill()
     p.wait(timeout=30)
 
     r = cli("sweeps", "isoflop", "--db", str(db), *GRID)
     assert r.returncode == 0, r.stderr
     assert "2 runs planned, 0 already in" in r.stdout
-    assert losses(db) == uninterrupted
+    assert val_losses(db) == uninterrupted
     line = next(ln for ln in cli("sweeps", "status", "--db", str(db)).stdout.splitlines() if "isoflop-" in ln)
     assert line.split()[-5:-1] == ["2", "2", "0", "1"]  # planned, ok, diverged, failed attempts

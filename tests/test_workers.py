@@ -8,7 +8,6 @@ import sys
 import threading
 import time
 
-import duckdb
 import optuna
 import pytest
 
@@ -137,17 +136,6 @@ def sweeps(tmp_path_factory, cli_env):
         s.proc.wait()
 
 
-def _losses(db) -> dict[str, float]:
-    """run_id -> val_loss, checking that no run is stored twice."""
-    con = duckdb.connect(str(db), read_only=True)
-    try:
-        rows = con.execute("SELECT run_id, val_loss FROM runs").fetchall()
-    finally:
-        con.close()
-    assert len(rows) == len({r for r, _ in rows}), rows
-    return dict(rows)
-
-
 def _trials(db) -> list[tuple[str, str]]:
     """(run_id, state) of every started trial in the sweep's Optuna journal."""
     storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(journal_path(db))))
@@ -156,10 +144,10 @@ def _trials(db) -> list[tuple[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def reference(sweeps):
+def reference(sweeps, val_losses):
     rc, out, err = sweeps["ref"].result()
     assert rc == 0, err[-2000:]
-    losses = _losses(sweeps["ref"].db)
+    losses = val_losses(sweeps["ref"].db)
     assert len(losses) == 4 and all(v is not None for v in losses.values())
     return losses
 
@@ -168,26 +156,26 @@ def _failed_attempts(out: str) -> list[str]:
     return [ln.strip() for ln in out.splitlines() if "failed: worker died (signal 9)" in ln]
 
 
-def test_a_killed_worker_costs_one_attempt_and_its_run_is_retried(sweeps, reference):
+def test_a_killed_worker_costs_one_attempt_and_its_run_is_retried(sweeps, reference, val_losses):
     s = sweeps["retried"]
     rc, out, err = s.result()
     assert rc == 0 and "Traceback" not in err, err[-2000:]
     (line,) = _failed_attempts(out)
     assert "attempt 1 of 2 failed" in line and line.endswith("queued again"), line
     assert "(attempt 2 of 2)" in out
-    assert _losses(s.db) == reference  # bit-identical: every run stored once, the retried one as if never killed
+    assert val_losses(s.db) == reference  # bit-identical: every run stored once, the retried one as if never killed
     (retried,) = [rid for rid, state in _trials(s.db) if state == "FAIL"]
     assert sorted(_trials(s.db)) == sorted([(rid, "COMPLETE") for rid in reference] + [(retried, "FAIL")])
 
 
-def test_a_run_left_out_after_its_last_attempt_is_trained_by_the_rerun(sweeps, reference, cli):
+def test_a_run_left_out_after_its_last_attempt_is_trained_by_the_rerun(sweeps, reference, cli, val_losses):
     s = sweeps["left"]
     rc, out, err = s.result()
     lines = err.strip().splitlines()
     assert rc == 1 and len(lines) == 1 and "Traceback" not in err, err[-2000:]
     (line,) = _failed_attempts(out)
     assert "attempt 1 of 1 failed" in line and line.endswith("left out"), line
-    stored = _losses(s.db)
+    stored = val_losses(s.db)
     (lost,) = set(reference) - set(stored)
     assert lines[0] == (
         f"error: 1 run failed after 1 attempt (run_id {lost}): worker died (signal 9);"
@@ -200,7 +188,7 @@ def test_a_run_left_out_after_its_last_attempt_is_trained_by_the_rerun(sweeps, r
     assert again.returncode == 0 and again.stderr == "", again.stderr[-2000:]
     assert "4 runs planned, 3 already in" in again.stdout and "1 to run" in again.stdout
     assert again.stdout.count("val_loss=") == 1
-    assert _losses(s.db) == reference
+    assert val_losses(s.db) == reference
     assert (lost, "FAIL") in _trials(s.db) and (lost, "COMPLETE") in _trials(s.db)
 
 

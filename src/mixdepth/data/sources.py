@@ -84,8 +84,10 @@ def _walk(root: str, skip: frozenset[str], suffix: str | None) -> list[tuple[str
 def _regular(src: str, files: list[tuple[str, str]]) -> list[tuple[str, str]]:
     """The regular files of a listing; the rest (FIFOs, sockets, devices, dangling links: a read of a FIFO would
     block forever) are skipped, and the log says which."""
-    kept = [(rel, p) for rel, p in files if os.path.isfile(p)]
-    if skipped := [rel for rel, p in files if not os.path.isfile(p)]:
+    kept, skipped = [], []
+    for rel, p in files:  # one stat per entry
+        (kept.append((rel, p)) if os.path.isfile(p) else skipped.append(rel))
+    if skipped:
         shown = ", ".join(skipped[:5]) + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
         log.warning("data.corpus=%s: skipped %d entries that are not regular files: %s", src, len(skipped), shown)
     return kept

@@ -34,7 +34,10 @@ def digest(obj: Any, n: int = 12) -> str:
 
 # Keys that change how a sweep is shown, scheduled or fitted, never what a run trains to: not part of its identity,
 # so changing one resumes the same sweep and reuses every stored run.
-NOT_IDENTITY = {"train": ("progress",), "sweep": ("name", "workers", "retries", "bootstrap")}
+NOT_IDENTITY = {
+    "train": ("progress", "devices", "num_nodes", "strategy", "ckpt_every", "ckpt_dir", "keep_ckpt"),
+    "sweep": ("name", "workers", "retries", "bootstrap", "storage", "heartbeat_interval", "grace_period"),
+}
 
 
 def identity(lab: LabConfig) -> dict:

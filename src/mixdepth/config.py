@@ -83,6 +83,12 @@ class TrainConfig:
     log_every: int = 10  # steps between curve points
     threads: int = 0  # torch.set_num_threads on CPU; 0 leaves PyTorch's default
     progress: bool = True  # Lightning's progress bar
+    devices: int = 1  # devices per node one run trains on (DDP/FSDP when devices * num_nodes > 1)
+    num_nodes: int = 1  # nodes one run spans (launched by torchrun or srun)
+    strategy: str = "auto"  # auto | ddp | fsdp: how a run spreads over devices * num_nodes
+    ckpt_every: int | None = None  # steps between Lightning checkpoints of a run; None: no checkpoints
+    ckpt_dir: str = ""  # checkpoint root, one folder per run_id; "": beside the database (workers: ./checkpoints)
+    keep_ckpt: bool = False  # keep a run's final checkpoint once its row is stored (else its folder is removed)
 
 
 @dataclass(frozen=True)
@@ -103,6 +109,9 @@ class SweepConfig:
     bootstrap: int = 200  # bootstrap resamples for fit confidence intervals
     workers: int = 1  # runs trained at once in spawned processes (CPU: cores/workers threads each; GPU: one per GPU)
     retries: int = 1  # with workers > 1: a run whose worker dies (or whose fit raises) is tried 1 + retries times
+    storage: str = ""  # Optuna storage URL of the work queue; "": the journal file beside the database
+    heartbeat_interval: int = 60  # RDB storage: seconds between a running trial's heartbeats
+    grace_period: int = 180  # RDB storage: seconds without a heartbeat after which a run is failed and queued again
 
 
 @dataclass(frozen=True)
@@ -253,6 +262,8 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "sweep.bootstrap": _count(0),
     "sweep.workers": _count(1),
     "sweep.retries": _count(0),
+    "sweep.heartbeat_interval": _count(1),
+    "sweep.grace_period": _count(1),
     "data.tokenizer": _one_of("bytes", "bpe"),  # data/tokenizer.py
     "data.bpe_vocab_size": (lambda v: v > 256, "> 256 (the byte alphabet)"),
     "data.bin_dtype": _one_of("uint16", "uint32"),  # data/sources.py BIN_DTYPES
@@ -275,6 +286,10 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "train.peak_flops": _real(0),
     "train.log_every": _count(1),
     "train.threads": _count(0),
+    "train.devices": _count(1),
+    "train.num_nodes": _count(1),
+    "train.strategy": _one_of("auto", "ddp", "fsdp"),
+    "train.ckpt_every": ((lambda v: v is None or v >= 1), "at least 1 (or null: no checkpoints)"),
 }
 
 

@@ -36,6 +36,7 @@ class RunConfig:
     data: DataConfig
     train: TrainConfig
     steps: int
+    ckpt_dir: str | None = None  # this run's checkpoint folder (keyed by its run_id); None: no checkpoints
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""``python -m sweeps isoflop [--preset NAME] [--db PATH] [--conf DIR] [--dry-run] [key=value ...]`` and
-``status [--db PATH]``.
+"""``python -m sweeps isoflop [--preset NAME] [--db PATH] [--conf DIR] [--dry-run | --enqueue-only] [key=value ...]``,
+``worker --storage URL [--sweep ID] [--workers N] [train.key=value ...]``, ``collect --storage URL [--db PATH]
+[--sweep ID]`` and ``status [--db PATH] [--storage URL]``.
 
 The one place that knows paths: the config folder (read once by ``load_config``), the DuckDB store, the Optuna
 journal beside it and the report folders; everything below takes them as arguments.
@@ -22,7 +23,12 @@ def _paths(db: Path) -> SweepPaths:
     from mixdepth.results import journal_path
 
     db = db.expanduser().absolute()
-    return SweepPaths(db=db, journal=journal_path(db), reports=db.parent / f"{db.stem}_report")
+    return SweepPaths(
+        db=db,
+        journal=journal_path(db),
+        reports=db.parent / f"{db.stem}_report",
+        checkpoints=db.parent / f"{db.stem}_checkpoints",
+    )
 
 
 def _interrupt(signum, frame) -> None:
@@ -37,20 +43,35 @@ def main(argv: list[str] | None = None) -> int:
     iso.add_argument("--preset", default="isoflop", help="conf/sweep/<preset>.yaml (default: isoflop, CPU)")
     iso.add_argument("--db", type=Path, default=Path("results.db"), help="DuckDB file (default: results.db)")
     iso.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    iso.add_argument("--enqueue-only", action="store_true", help="queue the runs in sweep.storage for workers and exit")
     iso.add_argument("--conf", type=Path, default=CONF_DIR, help="config folder (default: this checkout's conf/)")
-    st = sub.add_parser("status", help="list the sweeps of a database: planned, finished, failed")
+    st = sub.add_parser("status", help="list the sweeps of a database: planned, running, finished, failed")
     st.add_argument("--db", type=Path, default=Path("results.db"), help="DuckDB file (default: results.db)")
+    st.add_argument("--storage", help="the sweeps' storage URL (default: the journal beside the database)")
+    wk = sub.add_parser("worker", help="train the queued runs of a storage's sweeps until none are left")
+    wk.add_argument("--storage", required=True, help="storage URL, e.g. postgresql+psycopg://user@host/db")
+    wk.add_argument("--sweep", help="only this sweep id (default: every sweep in the storage)")
+    wk.add_argument("--workers", type=int, default=0, help="runs at once (default: one per visible GPU, else 1)")
+    wk.add_argument("overrides", nargs="*", help="this host's train keys, e.g. train.devices=2 train.ckpt_dir=/x")
+    co = sub.add_parser("collect", help="store the finished runs of a storage's sweeps in a database")
+    co.add_argument("--storage", required=True, help="storage URL")
+    co.add_argument("--db", type=Path, default=Path("results.db"), help="DuckDB file (default: results.db)")
+    co.add_argument("--sweep", help="only this sweep id (default: every sweep in the storage)")
     args = p.parse_args(argv)
 
     from mixdepth.results import StoreError, io_fault
+    from sweeps.queue import StorageError
 
-    if args.cmd == "status":  # torch-free: reads the store and the Optuna journal only
-        from sweeps.status import status_table
+    if args.cmd in ("status", "collect"):  # torch-free: the store and the Optuna storage only
+        from sweeps.status import collect, status_table
 
         try:
-            print(status_table(_paths(args.db)))
+            if args.cmd == "collect":
+                collect(args.storage, _paths(args.db), args.sweep)
+            else:
+                print(status_table(_paths(args.db), args.storage))
             return 0
-        except StoreError as e:
+        except (StoreError, StorageError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
         except Exception as e:
@@ -62,16 +83,24 @@ def main(argv: list[str] | None = None) -> int:
     from mixdepth.config import ConfigError, DataError
 
     try:
+        signal.signal(signal.SIGTERM, _interrupt)
+        if args.cmd == "worker":
+            from sweeps.worker import serve
+
+            if args.workers < 0:
+                raise ConfigError(f"--workers must be at least 0, got {args.workers}")
+            return serve(args.storage, args.sweep, args.workers, args.overrides)
         from mixdepth.config import load_config
         from sweeps.runner import run_isoflop
 
+        if args.dry_run and args.enqueue_only:
+            raise ConfigError("--dry-run and --enqueue-only exclude each other")
         lab = load_config(args.conf, args.preset, args.overrides)
-        signal.signal(signal.SIGTERM, _interrupt)
-        return run_isoflop(lab, args.preset, _paths(args.db), dry_run=args.dry_run)
+        return run_isoflop(lab, args.preset, _paths(args.db), dry_run=args.dry_run, enqueue_only=args.enqueue_only)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except (DataError, StoreError) as e:
+    except (DataError, StoreError, StorageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

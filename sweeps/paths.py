@@ -11,3 +11,4 @@ class SweepPaths:
     db: Path  # the DuckDB store: the record of every run (one writing process at a time)
     journal: Path  # the Optuna journal: the work queue and the resume state
     reports: Path  # report folders, one per sweep id
+    checkpoints: Path  # checkpoint folders of runs, one per run_id (unless train.ckpt_dir says elsewhere)

@@ -105,11 +105,14 @@ class Pool:
         except OSError:  # it died while idle: wait() finds its sentinel fired and reports this run's attempt failed
             pass
 
-    def wait(self) -> tuple[Any, Any, str | None]:
+    def wait(self, timeout: float | None = None) -> tuple[Any, Any, str | None] | None:
         """Block until a run ends: ``(key, RunResult, None)``, or ``(key, None, why)`` when its fit raised or its
-        worker died (then the worker is replaced by a fresh one, started with its next job)."""
+        worker died (then the worker is replaced by a fresh one, started with its next job); None when
+        ``timeout`` seconds passed first."""
         busy = [s for s in self._slots if s.key is not None]
-        ready = wait([s.conn for s in busy] + [s.process.sentinel for s in busy])
+        ready = wait([s.conn for s in busy] + [s.process.sentinel for s in busy], timeout)
+        if not ready:
+            return None
         s = next(s for s in busy if s.conn in ready or s.process.sentinel in ready)
         key, s.key = s.key, None
         try:
@@ -138,3 +141,30 @@ class Pool:
         if s.process.exitcode is None:
             s.process.kill()
             s.process.join()
+
+
+class Inline:
+    """The Pool's interface with one slot in this process: ``wait`` runs the submitted fit here, and an exception
+    in it propagates (Ctrl-C and faults reach the sweep as they would without a queue)."""
+
+    def __init__(self) -> None:
+        self._job: tuple[Any, Any] | None = None
+
+    def __enter__(self) -> Inline:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._job = None
+
+    @property
+    def free(self) -> int:
+        return int(self._job is None)
+
+    def submit(self, key: Any, run: Any) -> None:
+        self._job = (key, run)
+
+    def wait(self, timeout: float | None = None) -> tuple[Any, Any, None]:
+        from mixdepth.train import fit
+
+        (key, run), self._job = self._job, None
+        return key, fit(run), None

@@ -1,40 +1,37 @@
-"""``python -m sweeps status``: each sweep in a database with planned, finished and failed runs."""
+"""``python -m sweeps status`` (each sweep of a database and its storage: planned, finished, queued, running with
+the host that holds each run, failed attempts) and ``python -m sweeps collect`` (finished runs into a database)."""
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from mixdepth import results
+from sweeps import queue
+from sweeps.collect import collect_study, selected
 from sweeps.journal import damage
-from sweeps.journal import storage as journal_storage
 from sweeps.paths import SweepPaths
 
 
-def _queue_counts(journal: Path) -> dict[str, tuple[int, int]]:
-    """sweep_id -> (planned runs, failed attempts) from the Optuna journal; nothing (shown "?") from a damaged
-    one, which is left as it is (the next sweep run repairs it) with one warning line on stderr. An attempt is a
-    trial that started: queued trials that a killed sweep never began are failed on the next start, not tried."""
-    if not journal.exists():
-        return {}
-    if d := damage(journal):
-        print(f"warning: journal {journal}: {d.why}; the next sweep run repairs it", file=sys.stderr)
-        return {}
+def _storage(paths: SweepPaths, where: str | None):
+    """The storage to read: the URL given, else the journal beside the database; None for an absent journal or
+    a damaged one, which is left as it is (the next sweep run repairs it) with one warning line on stderr."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    storage = journal_storage(journal)
-    out = {}
-    for summary in optuna.get_all_study_summaries(storage, include_best_trial=False):
-        study = optuna.load_study(study_name=summary.study_name, storage=storage)
-        fails = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.FAIL,))
-        failed = sum(t.datetime_start is not None for t in fails)
-        out[summary.study_name] = (len(study.user_attrs.get("run_ids", [])), failed)
-    return out
+    if where is not None:
+        return queue.open_storage(where, create=False)
+    if not paths.journal.exists():
+        return None
+    if d := damage(paths.journal):
+        print(f"warning: journal {paths.journal}: {d.why}; the next sweep run repairs it", file=sys.stderr)
+        return None
+    return queue.open_storage(str(paths.journal), create=False)
 
 
-def status_table(paths: SweepPaths) -> str:
-    """A fixed-width table of the database's sweeps, with planned runs and failed attempts from the journal."""
+def _db_rows(paths: SweepPaths, required: bool) -> dict[str, tuple]:
+    """sweep_id -> (name, preset, created, ok, diverged, best) from the database."""
+    if not required and not paths.db.exists():
+        return {}
     con = results.connect(paths.db, read_only=True)
     try:
         rows = con.execute(
@@ -44,24 +41,76 @@ def status_table(paths: SweepPaths) -> str:
         ).fetchall()
     finally:
         con.close()
-    queue = _queue_counts(paths.journal)
-    head = ("sweep", "name", "preset", "created", "planned", "ok", "diverged", "failed attempts", "best val_loss")
-    body = []
-    for sid, name, preset, created, ok, diverged, best in rows:
-        planned, failed = queue.get(sid, (None, None))
-        body.append(
-            (
-                sid,
-                name,
-                preset,
-                created,
-                "?" if planned is None else str(planned),
-                str(ok),
-                str(diverged),
-                "?" if failed is None else str(failed),
-                "-" if best is None else f"{best:.4f}",
-            )
-        )
+    return {r[0]: r[1:] for r in rows}
+
+
+def _fixed_width(head: tuple[str, ...], body: list[tuple[str, ...]]) -> list[str]:
     widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return "\n".join([fmt.format(*head)] + [fmt.format(*r) for r in body]) if body else "no sweeps in " + str(paths.db)
+    return [fmt.format(*head)] + [fmt.format(*r) for r in body]
+
+
+def status_table(paths: SweepPaths, where: str | None = None) -> str:
+    """Fixed-width tables: the sweeps (finished runs from the database; planned, queued, running and failed
+    attempts from the storage), then each running run with the host that holds it."""
+    db = _db_rows(paths, required=where is None)
+    storage = _storage(paths, where)
+    counts: dict[str, queue.Counts] = {}
+    metas = queue.sweeps_in(storage) if storage is not None else {}
+    for name, meta in metas.items():
+        counts[name] = queue.counts(queue.load(storage, name), meta)
+    ids = list(db) + [sid for sid in metas if sid not in db]
+    if not ids:
+        return f"no sweeps in {queue.redact(where) if where else paths.db}"
+    body, running = [], []
+    for sid in ids:
+        name, preset, created, ok, diverged, best = db.get(sid) or (
+            metas[sid]["name"],
+            metas[sid]["preset"],
+            "-",
+            0,
+            0,
+            None,
+        )
+        c = counts.get(sid)
+        queued = ("?",) * 5 if c is None else map(str, (c.planned, c.finished, c.queued, len(c.running), c.failed))
+        planned, finished, *rest = queued
+        body.append(
+            (sid, name, preset, created, planned, str(ok), str(diverged), finished, *rest)
+            + ("-" if best is None else f"{best:.4f}",)
+        )
+        running += [(sid, rid, host, since) for rid, host, since in (c.running if c else [])]
+    head = (
+        "sweep",
+        "name",
+        "preset",
+        "created",
+        "planned",
+        "ok",
+        "diverged",
+        "finished",
+        "queued",
+        "running",
+        "failed attempts",
+        "best val_loss",
+    )
+    lines = _fixed_width(head, body)
+    if running:
+        lines += ["", *_fixed_width(("running sweep", "run_id", "host", "started"), running)]
+    return "\n".join(lines)
+
+
+def collect(where: str, paths: SweepPaths, sweep: str | None) -> None:
+    """Store the finished runs of the storage's sweeps (or of ``sweep``) that the database lacks."""
+    if not queue.is_url(where):
+        raise queue.StorageError(f"--storage {where} is not a database URL")
+    storage = _storage(paths, where)
+    chosen = selected(storage, where, sweep)
+    con = results.connect(paths.db)
+    try:
+        for name, meta in chosen.items():
+            added = collect_study(con, queue.load(storage, name), meta)
+            print(f"sweep {name}: {added} runs added to {paths.db}")
+        results.checkpoint(con, paths.db)
+    finally:
+        con.close()

@@ -194,14 +194,21 @@ def test_workers_on_gpus_need_one_gpu_each(monkeypatch):
     import torch
 
     from mixdepth.config import ConfigError, load_config
-    from sweeps.runner import _worker_gpus
+    from sweeps.worker import slot_gpus
 
     conf = Path(__file__).resolve().parents[1] / "conf"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
-    assert _worker_gpus(load_config(conf, "isoflop", ["sweep.workers=2"])) == ["3", "5"]
-    assert _worker_gpus(load_config(conf, "isoflop", ["sweep.workers=1"])) == []
-    assert _worker_gpus(load_config(conf, "isoflop", ["sweep.workers=2", "train.accelerator=cpu"])) == []
+    _gpus = lambda lab: slot_gpus(lab.train, lab.sweep.workers)  # noqa: E731
+    assert _gpus(load_config(conf, "isoflop", ["sweep.workers=2"])) == ["3", "5"]
+    assert _gpus(load_config(conf, "isoflop", ["sweep.workers=1"])) == []
+    assert _gpus(load_config(conf, "isoflop", ["sweep.workers=2", "train.accelerator=cpu"])) == []
     with pytest.raises(ConfigError, match="sweep.workers=3 needs one GPU each, but 2 are visible"):
-        _worker_gpus(load_config(conf, "isoflop", ["sweep.workers=3"]))
+        _gpus(load_config(conf, "isoflop", ["sweep.workers=3"]))
+    # a run on two GPUs: each slot gets its pair
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    assert _gpus(load_config(conf, "isoflop", ["sweep.workers=2", "train.devices=2"])) == ["0,1", "2,3"]
+    with pytest.raises(ConfigError, match="sweep.workers=3 needs 2 GPUs each, but 4 are visible"):
+        _gpus(load_config(conf, "isoflop", ["sweep.workers=3", "train.devices=2"]))

@@ -409,3 +409,27 @@ def model_options(family: str, overrides: list[str]) -> dict[str, Any]:
     given = _dotlist(overrides)
     keys = _typed_keys(family, given)
     return {k: keys[k] for k in given}
+
+
+def train_overrides(overrides: list[str], allowed: tuple[str, ...]) -> dict[str, Any]:
+    """``train.key=value`` strings as typed, checked values of ``allowed`` TrainConfig fields (a worker's own
+    hardware and checkpoint settings over a queued run's).
+
+    Raises:
+        ConfigError: another section, a key outside ``allowed``, a bad value; in one line.
+    """
+    given = OmegaConf.to_container(_dotlist(overrides))
+    for section, keys in given.items():
+        if section != "train" or not isinstance(keys, dict):
+            raise ConfigError(f"only train.* keys can be set here, not {section!r}")
+        for key in keys:
+            if key not in allowed:
+                raise ConfigError(
+                    f"train.{key} cannot be set here (it is part of the run); allowed: {', '.join(allowed)}"
+                )
+    try:
+        train = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), given))
+    except OmegaConfBaseException as e:
+        raise ConfigError(_one_line(e)) from None
+    check_rules("train", train)
+    return {k: getattr(train, k) for k in given.get("train", {})}

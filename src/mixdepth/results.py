@@ -317,25 +317,47 @@ def add_run(
 
     Args:
         con: a writable connection.
-        run: the record, or a mapping of some RUN_COLUMNS (others NULL; synthetic sweeps and tests).
+        run: the record, or a mapping of some RUN_COLUMNS (others NULL; synthetic sweeps, collected runs, tests).
         curve: points with step, tokens, flops, train_loss and lr.
     """
-    row = run.row() if isinstance(run, RunRecord) else dict(run)
-    unknown = set(row) - set(RUN_COLUMNS) | ({"created_at"} & set(row))  # the store stamps created_at
-    if unknown:
-        raise StoreError(f"unknown run columns: {sorted(unknown)}")
-    cols = [c for c in RUN_COLUMNS if c in row]
-    values = [_json(row[c]) for c in cols]
+    add_runs(con, [(run, curve)])
+
+
+def add_runs(
+    con: duckdb.DuckDBPyConnection,
+    runs: Iterable[tuple[RunRecord | Mapping[str, Any], Iterable[Mapping[str, Any]]]],
+) -> None:
+    """``add_run`` for many (run, curve) pairs in one transaction: all of them are stored, or none."""
+    rows = [r.row() if isinstance(r, RunRecord) else dict(r) for r, _ in runs]
+    curves = [list(c) for _, c in runs]
+    for row in rows:
+        unknown = set(row) - set(RUN_COLUMNS) | ({"created_at"} & set(row))  # the store stamps created_at
+        if unknown:
+            raise StoreError(f"unknown run columns: {sorted(unknown)}")
+    if not rows:
+        return
+    import pandas as pd  # DuckDB reads data frames in bulk (its executemany inserts row by row)
+
+    runs_df = pd.DataFrame([{c: _json(row.get(c)) for c in RUN_COLUMNS if c != "created_at"} for row in rows])
+    given = [c for c in RUN_COLUMNS if any(c in row for row in rows)]  # columns no row names stay NULL
+    curves_df = pd.DataFrame(
+        [
+            (row["run_id"], p["step"], p["tokens"], p["flops"], p["train_loss"], p["lr"])
+            for row, curve in zip(rows, curves, strict=True)
+            for p in curve
+        ],
+        columns=["run_id", "step", "tokens", "flops", "train_loss", "lr"],
+    )
+    con.register("runs_df", runs_df)
+    con.register("curves_df", curves_df)
     with _transaction(con):
-        con.execute("DELETE FROM curves WHERE run_id = ?", [row["run_id"]])
-        con.execute("DELETE FROM runs WHERE run_id = ?", [row["run_id"]])
-        con.execute(
-            f"INSERT INTO runs ({', '.join(cols)}, created_at) VALUES ({', '.join('?' * len(cols))}, now())",
-            values,
-        )
-        points = [(row["run_id"], p["step"], p["tokens"], p["flops"], p["train_loss"], p["lr"]) for p in curve]
-        if points:
-            con.executemany("INSERT INTO curves VALUES (?, ?, ?, ?, ?, ?)", points)
+        con.execute("DELETE FROM curves WHERE run_id IN (SELECT run_id FROM runs_df)")
+        con.execute("DELETE FROM runs WHERE run_id IN (SELECT run_id FROM runs_df)")
+        con.execute(f"INSERT INTO runs ({', '.join(given)}, created_at) SELECT {', '.join(given)}, now() FROM runs_df")
+        if len(curves_df):
+            con.execute("INSERT INTO curves SELECT * FROM curves_df")
+    con.unregister("runs_df")
+    con.unregister("curves_df")
 
 
 def add_fits(con: duckdb.DuckDBPyConnection, rows: Iterable[Mapping[str, Any]]) -> None:

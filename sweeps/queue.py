@@ -1,0 +1,255 @@
+"""A sweep's work queue in an Optuna storage: the journal file beside the database (one host, the default) or an
+RDB such as PostgreSQL (many hosts, with Optuna's heartbeat).
+
+Each queued trial carries its whole run (``run``: the RunConfig, ``row``: the runs row it will become), so a
+worker anywhere trains it without the config folder or the database; a finished trial carries its ``result``
+(metrics and curve), which whoever holds the database collects. The study's ``mixdepth`` attribute describes
+the sweep (id, name, preset, config with the storage password hidden, planned run_ids, heartbeat settings).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.trial import TrialState
+
+from mixdepth.config import DataConfig, TrainConfig
+from mixdepth.results import RunMetrics
+from sweeps.journal import storage as journal_storage
+
+# Optuna has marked its heartbeat API (heartbeat_interval, grace_period, the retry callback, fail_stale_trials)
+# experimental since 2.8: it is the API that retries a dead host's runs, so its warnings say nothing to a user
+warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+
+SWEEP_ATTR = "mixdepth"  # the study attribute that marks a mixdepth sweep and describes it
+
+
+class StorageError(RuntimeError):
+    """A storage problem with a one-line message meant for the user (never with a password in it)."""
+
+
+def is_url(where: str) -> bool:
+    return "://" in where
+
+
+def redact(where: str) -> str:
+    """``where`` as it may be shown or stored: an RDB URL without its password."""
+    if not is_url(where):
+        return where
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        return make_url(where).render_as_string(hide_password=True)
+    except ArgumentError:
+        return where.split("://", 1)[0] + "://***"
+
+
+def _driver_url(url: str) -> str:
+    """postgresql:// and postgres:// mean psycopg 3 here (SQLAlchemy's default, psycopg2, is not a dependency)."""
+    scheme, rest = url.split("://", 1)
+    return f"postgresql+psycopg://{rest}" if scheme in ("postgresql", "postgres") else url
+
+
+def _retry_callback(retries: int) -> dict[str, Any]:
+    """Optuna's callback that queues a trial again when its heartbeat stopped (renamed in Optuna 5)."""
+    storages = optuna.storages
+    if hasattr(storages, "RetryHeartbeatStaleTrialCallback"):
+        return {"heartbeat_stale_trial_callback": storages.RetryHeartbeatStaleTrialCallback(max_retry=retries)}
+    return {"failed_trial_callback": storages.RetryFailedTrialCallback(max_retry=retries)}
+
+
+def _rdb_error(url: str, e: Exception) -> StorageError:
+    text = str(getattr(e, "orig", None) or e).strip().splitlines()
+    why = text[0] if text else type(e).__name__
+    if (password := _password(url)) and password in why:  # a driver may echo its connection string
+        why = why.replace(password, "***")
+    return StorageError(f"cannot open storage {redact(url)}: {why}")
+
+
+def _password(url: str) -> str | None:
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(url).password
+    except Exception:
+        return None
+
+
+def open_storage(
+    where: str, *, create: bool, heartbeat_interval: int = 60, grace_period: int = 180, retries: int = 1
+) -> optuna.storages.BaseStorage:
+    """The Optuna storage at ``where``: a journal file path, or an RDB URL (any SQLAlchemy URL Optuna accepts;
+    ``postgresql://`` means psycopg 3) with heartbeats and stale runs queued again at most ``retries`` times.
+
+    Args:
+        where: a journal path or a URL.
+        create: whether a sweep is being planned into it (make the journal or Optuna's tables); readers and
+            workers never create anything, so a wrong URL or path writes nothing.
+
+    Raises:
+        StorageError: unknown scheme, missing driver, unreachable host, refused login, missing journal, ...
+    """
+    if not is_url(where):
+        path = Path(where).expanduser()
+        if not create and not path.exists():
+            raise StorageError(f"storage {path} does not exist (give a journal file or a database URL)")
+        return journal_storage(path)
+    import sqlalchemy.exc
+
+    url = _driver_url(where)
+    try:
+        return optuna.storages.RDBStorage(
+            url,
+            engine_kwargs={"pool_pre_ping": True},
+            heartbeat_interval=heartbeat_interval,
+            grace_period=grace_period,
+            skip_table_creation=not create,
+            **_retry_callback(retries),
+        )
+    except sqlalchemy.exc.NoSuchModuleError:
+        raise StorageError(f"unknown storage URL scheme {where.split('://', 1)[0]!r} in {redact(where)}") from None
+    except (sqlalchemy.exc.ArgumentError, ValueError) as e:
+        raise StorageError(f"bad storage URL {redact(where)}: {str(e).splitlines()[0]}") from None
+    except ImportError as e:
+        raise StorageError(
+            f"storage {redact(where)} needs {e.name or 'a driver'}: pip install 'mixdepth[postgres]'"
+        ) from None
+    except sqlalchemy.exc.SQLAlchemyError as e:
+        raise _rdb_error(url, e) from None
+
+
+def sweeps_in(storage: optuna.storages.BaseStorage) -> dict[str, dict]:
+    """study name -> its ``mixdepth`` description, for every mixdepth sweep in the storage."""
+    import sqlalchemy.exc
+
+    try:
+        studies = storage.get_all_studies()
+    except sqlalchemy.exc.ProgrammingError:  # an empty database: Optuna's tables were never made
+        return {}
+    return {s.study_name: s.user_attrs[SWEEP_ATTR] for s in studies if SWEEP_ATTR in s.user_attrs}
+
+
+def load(storage: optuna.storages.BaseStorage, name: str) -> optuna.Study:
+    return optuna.load_study(study_name=name, storage=storage)
+
+
+def encode_run(run: Any, row: dict[str, Any]) -> dict[str, Any]:
+    """What a queued trial carries: the RunConfig as plain data and the row it will become."""
+    return {
+        "run": {"model": asdict(run.model), "data": asdict(run.data), "train": asdict(run.train), "steps": run.steps},
+        "row": row,
+    }
+
+
+def decode_run(payload: dict[str, Any], train: dict[str, Any], ckpt_root: Path | None):
+    """The RunConfig of a queued trial, with this worker's ``train`` keys (hardware, checkpoints) over the
+    queued ones; its checkpoint folder is ``<train.ckpt_dir or ckpt_root>/<run_id>`` when the run checkpoints."""
+    from mixdepth.models import MODELS
+    from mixdepth.train import RunConfig
+
+    r = payload["run"]
+    model = MODELS[r["model"]["arch"]][0](**r["model"])
+    t = TrainConfig(**{**r["train"], **train})
+    root = Path(t.ckpt_dir).expanduser().absolute() if t.ckpt_dir else ckpt_root
+    ckpt = str(root / payload["row"]["run_id"]) if root is not None and t.ckpt_every else None
+    return RunConfig(model=model, data=DataConfig(**r["data"]), train=t, steps=r["steps"], ckpt_dir=ckpt)
+
+
+def run_id(trial: optuna.trial.FrozenTrial | optuna.Trial) -> str:
+    return trial.user_attrs["run"]["row"]["run_id"]
+
+
+def heartbeat(storage: optuna.storages.BaseStorage) -> int | None:
+    """Seconds between heartbeats when the storage keeps them (RDB), else None."""
+    from optuna.storages._heartbeat import is_heartbeat_enabled
+
+    return storage.get_heartbeat_interval() if is_heartbeat_enabled(storage) else None
+
+
+def trials(study: optuna.Study, *states: TrialState) -> list[optuna.trial.FrozenTrial]:
+    """The study's trials in ``states`` that carry a run (every trial a mixdepth sweep makes)."""
+    return [t for t in study.get_trials(deepcopy=False, states=states or None) if "run" in t.user_attrs]
+
+
+def enqueue(study: optuna.Study, payloads: list[dict[str, Any]]) -> int:
+    """Queue the runs whose run_id has no queued, running or finished trial yet; returns how many were queued."""
+    have = {run_id(t) for t in trials(study, TrialState.WAITING, TrialState.RUNNING, TrialState.COMPLETE)}
+    fresh = [p for p in payloads if p["row"]["run_id"] not in have]
+    for p in fresh:
+        study.enqueue_trial({}, user_attrs={"run": p})
+    return len(fresh)
+
+
+def requeue(study: optuna.Study, trial: optuna.trial.FrozenTrial | optuna.Trial) -> None:
+    """A new waiting trial of the same run, behind the queued ones."""
+    study.enqueue_trial({}, user_attrs={"run": trial.user_attrs["run"]})
+
+
+def pop(study: optuna.Study) -> optuna.Trial | None:
+    """Take a queued trial of ``study`` (RUNNING now, on this host), or None when none waits. Race-free across
+    processes and hosts: the storage moves a trial from WAITING to RUNNING for one caller only."""
+    storage = study._storage
+    for t in trials(study, TrialState.WAITING):
+        if storage.set_trial_state_values(t._trial_id, state=TrialState.RUNNING):
+            trial = optuna.Trial(study, t._trial_id)
+            trial.set_user_attr("host", f"{socket.gethostname()}:{os.getpid()}")
+            if heartbeat(storage):  # from now on the trial is stale once its heartbeats stop
+                storage.record_heartbeat(t._trial_id)
+            return trial
+    return None
+
+
+def finish(trial: optuna.Trial, metrics: RunMetrics, curve: list[dict]) -> None:
+    """Hand a finished run over through the storage (its result, then COMPLETE): the trial now holds its row."""
+    trial.set_user_attr("result", {"metrics": asdict(metrics), "curve": curve})
+    value = float("inf") if metrics.val_loss is None else metrics.val_loss  # Optuna needs a number
+    trial.study.tell(trial, value)
+
+
+def fail(trial: optuna.Trial) -> None:
+    trial.study.tell(trial, state=TrialState.FAIL)
+
+
+def finished(study: optuna.Study) -> dict[str, tuple[dict, list[dict]]]:
+    """run_id -> (row, curve) of every finished run in the study: one per run_id whatever the number of
+    attempts (a run that finished twice, e.g. after a worker was thought dead, keeps its first result)."""
+    out: dict[str, tuple[dict, list[dict]]] = {}
+    for t in sorted(trials(study, TrialState.COMPLETE), key=lambda t: t.number):
+        rid = run_id(t)
+        if rid in out or "result" not in t.user_attrs:
+            continue
+        res = t.user_attrs["result"]
+        out[rid] = ({**t.user_attrs["run"]["row"], **res["metrics"]}, res["curve"])
+    return out
+
+
+@dataclass(frozen=True)
+class Counts:
+    planned: int
+    queued: int
+    running: list[tuple[str, str, str]]  # (run_id, host:pid, when it started, in the storage's local time)
+    finished: int
+    failed: int  # attempts that started and failed
+
+
+def counts(study: optuna.Study, meta: dict) -> Counts:
+    all_trials = trials(study)
+    by = lambda *s: [t for t in all_trials if t.state in s]  # noqa: E731
+    running = [
+        (run_id(t), t.user_attrs.get("host", "?"), t.datetime_start.strftime("%Y-%m-%d %H:%M:%S"))
+        for t in by(TrialState.RUNNING)
+    ]
+    return Counts(
+        planned=len(meta.get("run_ids", [])),
+        queued=len(by(TrialState.WAITING)),
+        running=running,
+        finished=len({run_id(t) for t in by(TrialState.COMPLETE)}),
+        failed=sum(t.datetime_start is not None for t in by(TrialState.FAIL)),
+    )

@@ -1,0 +1,242 @@
+"""Train the queued runs of one or more sweeps until none is left: the loop of ``python -m sweeps isoflop`` (one
+host, each result stored in its database as it arrives) and of ``python -m sweeps worker`` (any host, results
+through the storage only; it never opens a database).
+
+A run whose fit raises or whose training process dies fails that attempt and is queued again, at most
+``retries`` times; on an RDB storage a run whose host stopped beating (killed, preempted, network gone) is failed
+after the grace period by whichever worker looks next, and Optuna's retry callback queues it again.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import optuna
+import torch
+from optuna.trial import TrialState
+
+from mixdepth.config import ConfigError, TrainConfig
+from mixdepth.train import resolve_device
+from sweeps import queue
+from sweeps.pool import Inline, Pool
+
+IDLE_POLL_S = 2.0  # how often an idle worker looks for runs other hosts may hand back
+
+
+def header(row: dict[str, Any]) -> str:
+    """What a run is, in the line printed when it starts."""
+    return (
+        f"{row['arch']} C={row['budget']:.2e} d_model={row['d_model']} layers={row['n_layers']}"
+        f" params={row['params_nonembed']:,} tokens={row['tokens']:,} steps={row['steps']}"
+    )
+
+
+class _Heartbeat(threading.Thread):
+    """Records a heartbeat of every running trial each interval, while training holds the main thread."""
+
+    def __init__(self, interval: int, running: dict):
+        super().__init__(daemon=True)
+        self.interval, self.running = interval, running
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        warned = False
+        while not self.stopped.wait(self.interval):
+            for study, trial, _ in list(self.running.values()):
+                try:
+                    study._storage.record_heartbeat(trial._trial_id)
+                except Exception as e:  # a storage hiccup: the next beat may pass; past the grace the run is retried
+                    if not warned:
+                        print(f"warning: heartbeat failed ({str(e).splitlines()[0]})", file=sys.stderr, flush=True)
+                        warned = True
+
+
+@dataclass
+class Drain:
+    """One host's share of the work.
+
+    Attributes:
+        studies: the sweeps to train (their queued trials, oldest sweep first).
+        slots: runs trained at once (one per GPU, or CPU processes); 1 with ``inline`` trains in this process.
+        gpus: CUDA_VISIBLE_DEVICES of each slot ([] for none).
+        train: this host's ``train`` keys over the queued ones (hardware, threads, progress, checkpoints).
+        ckpt_root: where runs that checkpoint keep ``<run_id>/``; None: nowhere.
+        retries: attempts after the first for a run whose fit raised or whose process died.
+        on_done: called with (study, row, RunResult) once the storage holds a finished run (the local sweep
+            stores it in its database); then the run's checkpoints are dropped (or its last one kept).
+        inline: train in this process (one slot): exceptions propagate as they would without a queue.
+    """
+
+    studies: list[optuna.Study]
+    slots: int = 1
+    gpus: list[str] = field(default_factory=list)
+    train: dict[str, Any] = field(default_factory=dict)
+    ckpt_root: Path | None = None
+    retries: int = 1
+    on_done: Callable[[optuna.Study, dict, Any], None] | None = None
+    inline: bool = False
+
+    def run(self) -> dict[str, str]:
+        """Train until no run of the studies is queued or running anywhere; returns the runs given up on here:
+        run_id -> why their last attempt failed."""
+        n = sum(len(queue.trials(s, TrialState.WAITING)) for s in self.studies)
+        running: dict[str, tuple[optuna.Study, optuna.Trial, Any]] = {}  # run_id -> study, trial, RunConfig
+        index: dict[str, int] = {}
+        failed: dict[str, str] = {}
+        beat = None
+        if beats := [b for s in self.studies if (b := queue.heartbeat(s._storage))]:
+            beat = _Heartbeat(min(beats), running)
+            beat.start()
+        try:
+            with Inline() if self.inline else Pool(self.slots, self.gpus) as pool:
+                try:
+                    while True:
+                        while pool.free and (got := self._next()):
+                            study, trial = got
+                            rid = queue.run_id(trial)
+                            i = index.setdefault(rid, len(index) + 1)
+                            k = self._attempt(study, rid)
+                            note = f" (attempt {k} of {self.retries + 1})" if k > 1 else ""
+                            print(f"[{i}/{max(n, i)}] {header(trial.user_attrs['run']['row'])}{note}", flush=True)
+                            run = queue.decode_run(trial.user_attrs["run"], self.train, self.ckpt_root)
+                            running[rid] = (study, trial, run)
+                            pool.submit(rid, run)
+                        if not running:
+                            if not self._others_running():
+                                return failed
+                            time.sleep(IDLE_POLL_S)
+                            continue
+                        ended = pool.wait(IDLE_POLL_S if beat else None)
+                        if ended is not None:
+                            self._ended(*ended, running, index, n, failed)
+                except BaseException:  # Ctrl-C or a store error: unfinished runs leave no row and fail in the queue
+                    for _, trial, _ in running.values():
+                        queue.fail(trial)
+                    raise
+        finally:
+            if beat:
+                beat.stopped.set()
+
+    def _next(self) -> tuple[optuna.Study, optuna.Trial] | None:
+        for study in self.studies:
+            optuna.storages.fail_stale_trials(study)  # RDB: runs of dead hosts, queued again by the retry callback
+            if (trial := queue.pop(study)) is not None:
+                return study, trial
+        return None
+
+    def _others_running(self) -> bool:
+        """Whether another host still trains a run of the studies (it may die, and the run come back)."""
+        return any(queue.trials(s, TrialState.RUNNING) for s in self.studies)
+
+    @staticmethod
+    def _attempt(study: optuna.Study, rid: str) -> int:
+        return 1 + sum(
+            queue.run_id(t) == rid and t.datetime_start is not None for t in queue.trials(study, TrialState.FAIL)
+        )
+
+    def _ended(self, rid: str, res: Any, why: str | None, running: dict, index: dict, n: int, failed: dict) -> None:
+        study, trial, run = running.pop(rid)
+        i = index[rid]
+        if why is None:
+            queue.finish(trial, res.metrics, res.curve)
+            row = {**trial.user_attrs["run"]["row"]}
+            if self.on_done is not None:
+                self.on_done(study, row, res)
+            m = res.metrics
+            loss = "diverged (loss not finite)" if m.val_loss is None else f"{m.val_loss:.4f}"
+            print(f"    [{i}/{max(n, i)}] val_loss={loss} ({m.wall_s:.1f}s, {m.tokens_per_s:,.0f} tok/s)", flush=True)
+            if run.ckpt_dir is not None:  # stored: its checkpoints are no longer needed (or its last one is kept)
+                from mixdepth.checkpoints import finish_checkpoints
+
+                finish_checkpoints(Path(run.ckpt_dir), run.train.keep_ckpt)
+            return
+        k = self._attempt(study, rid)
+        queue.fail(trial)
+        again = k <= self.retries
+        print(
+            f"    [{i}/{max(n, i)}] attempt {k} of {self.retries + 1} failed: {why};"
+            f" {'queued again' if again else 'left out'}",
+            flush=True,
+        )
+        if again:
+            queue.requeue(study, trial)
+        else:
+            failed[rid] = why
+
+
+def slot_gpus(train: TrainConfig, workers: int) -> list[str]:
+    """CUDA_VISIBLE_DEVICES of each training slot: ``train.devices`` GPUs each when more than one run trains at
+    once on GPUs, else none. Checked before the store or the storage is opened (a dry run, which trains
+    nothing, plans GPU presets on any machine)."""
+    if train.accelerator == "gpu" and not torch.cuda.is_available():
+        raise ConfigError("train.accelerator=gpu, but no GPU is visible; use auto or cpu")
+    if workers == 1 or resolve_device(train)[0] != "gpu":
+        return []
+    n, per = torch.cuda.device_count(), train.devices
+    if workers * per > n:
+        each = "one GPU" if per == 1 else f"{per} GPUs"
+        raise ConfigError(f"sweep.workers={workers} needs {each} each, but {n} are visible")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(n)]
+    return [",".join(ids[i * per : (i + 1) * per]) for i in range(workers)]
+
+
+# A worker's own train keys, over a queued run's: where and how it trains, never what.
+HOST_KEYS = ("accelerator", "threads", "progress", "devices", "num_nodes", "strategy", "ckpt_dir", "keep_ckpt")
+
+
+def serve(where: str, sweep: str | None, workers: int, overrides: list[str]) -> int:
+    """``python -m sweeps worker``: train the queued runs of the storage's sweeps (or of ``sweep``) until none
+    is left anywhere, ``workers`` at once (0: one per visible GPU, else one); results go through the storage.
+
+    Raises:
+        ConfigError: a bad override or more workers than GPUs; StorageError: the storage or the sweep.
+    """
+    from mixdepth.config import train_overrides
+    from sweeps.collect import selected
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    host = train_overrides(overrides, HOST_KEYS)
+    if not queue.is_url(where):
+        raise queue.StorageError(f"--storage {where} is not a database URL (workers share an RDB, e.g. PostgreSQL)")
+    chosen = selected(queue.open_storage(where, create=False), where, sweep)
+    studies = []
+    for name, meta in chosen.items():
+        s = meta["config"]["sweep"]
+        storage = queue.open_storage(
+            where,
+            create=False,
+            heartbeat_interval=s["heartbeat_interval"],
+            grace_period=s["grace_period"],
+            retries=s["retries"],
+        )
+        studies.append(queue.load(storage, name))
+    first = next(iter(chosen.values()))["config"]
+    train = TrainConfig(**{**first["train"], **host})
+    if workers == 0:
+        gpu = train.accelerator != "cpu" and torch.cuda.is_available()
+        workers = max(1, torch.cuda.device_count() // train.devices) if gpu else 1
+    gpus = slot_gpus(train, workers)
+    if workers > 1:
+        host = {"threads": train.threads or max(1, (os.cpu_count() or 1) // workers), "progress": False, **host}
+    n_queued = sum(len(queue.trials(s, TrialState.WAITING)) for s in studies)
+    me = f"{socket.gethostname()}:{os.getpid()}"
+    print(f"worker {me}: {len(studies)} sweep(s), {n_queued} runs queued, {workers} at once", flush=True)
+    retries = max(m["config"]["sweep"]["retries"] for m in chosen.values())
+    start = time.perf_counter()
+    failed = Drain(
+        studies=studies, slots=workers, gpus=gpus, train=host, ckpt_root=Path("checkpoints").absolute(), retries=retries
+    ).run()
+    print(f"no runs left: done in {time.perf_counter() - start:.0f}s")
+    if failed:
+        print(f"error: {len(failed)} run(s) failed on this worker: {next(iter(failed.values()))}", file=sys.stderr)
+        return 1
+    return 0

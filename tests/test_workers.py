@@ -140,7 +140,7 @@ def _trials(db) -> list[tuple[str, str]]:
     """(run_id, state) of every started trial in the sweep's Optuna journal."""
     storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(journal_path(db))))
     study = optuna.load_study(study_name=None, storage=storage)  # the one study of this store
-    return sorted((t.params["run_id"], t.state.name) for t in study.trials if t.params)
+    return sorted((t.user_attrs["run"]["row"]["run_id"], t.state.name) for t in study.trials if t.datetime_start)
 
 
 @pytest.fixture(scope="module")

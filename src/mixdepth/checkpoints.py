@@ -44,10 +44,25 @@ def resume_path(ckpt_dir: Path) -> Path | None:
     (``_atomic_save``), so a process killed while saving leaves no partial ``.ckpt``. The older files are removed:
     nothing resumes from them, and every preemption under SLURM adds one ``hpc_ckpt``.
     """
-    found = sorted(ckpt_dir.glob("*.ckpt"), key=lambda p: p.stat().st_mtime_ns) if ckpt_dir.is_dir() else []
+    found = sorted(ckpt_dir.glob("*.ckpt"), key=_mtime) if ckpt_dir.is_dir() else []
     for old in found[:-1]:
-        old.unlink()
+        old.unlink(missing_ok=True)  # every rank of a DDP run prunes the same files
     return found[-1] if found else None
+
+
+def _mtime(p: Path) -> int:
+    try:
+        return p.stat().st_mtime_ns
+    except FileNotFoundError:  # pruned by another rank meanwhile: older than the newest, which no rank removes
+        return 0
+
+
+def drop_hpc_checkpoints(ckpt_dir: Path) -> None:
+    """Remove the SLURM checkpoints once training is over: under SLURM, Lightning's ``validate`` (and any later
+    ``fit``) given no ``ckpt_path`` loads the newest ``hpc_ckpt`` of ``default_root_dir``, the trained weights'
+    past (found with a requeued run resumed from one)."""
+    for p in ckpt_dir.glob("hpc_ckpt_*.ckpt"):
+        p.unlink(missing_ok=True)
 
 
 def rng_state() -> dict:
@@ -110,5 +125,7 @@ def finish_checkpoints(ckpt_dir: Path | str, keep: bool) -> None:
     if not (ckpt_dir / FINAL).is_file():
         raise FileNotFoundError(f"{ckpt_dir / FINAL}: no final checkpoint to keep")
     for p in ckpt_dir.iterdir():
-        if p.name != FINAL:
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.name != FINAL:
+            p.unlink()

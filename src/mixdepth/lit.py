@@ -44,6 +44,7 @@ class LitLM(L.LightningModule):
         self.wall_before = 0.0  # training seconds of the run's earlier processes (restored from its checkpoint)
         self.resumed_step = 0  # the optimizer step this process resumed at
         self._rng: dict | None = None  # the checkpoint's random streams, until training starts
+        self._step_rng: tuple[int, dict] | None = None  # (global step, streams) as the current training step began
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         x, y = batch  # [B, T], [B, T]
@@ -91,15 +92,25 @@ class LitLM(L.LightningModule):
             "max_steps": self.max_steps,
             "curve": self.curve,
             "wall_s": self.wall_s(),
-            "rng": rng_state(),
+            "rng": self._resume_rng(),
         }
+
+    def _resume_rng(self) -> dict:
+        """The streams the step after this checkpoint's must start from. ``ModelCheckpoint`` saves between steps;
+        SLURM's SIGUSR1 handler saves wherever the signal lands: inside a step whose optimizer update is not yet
+        counted, a resumed run trains that step again, so it must draw what the step drew."""
+        if self._step_rng is not None and self._step_rng[0] == self.global_step:
+            return self._step_rng[1]
+        return rng_state()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         state = checkpoint[STATE]
         if (state["model"], state["max_steps"]) != (model_spec(self.model.cfg), self.max_steps):
             raise ValueError("the checkpoint to resume from is of another run (model config or steps differ)")
-        self.curve, self.wall_before = list(state["curve"]), state["wall_s"]
         self.resumed_step, self._rng = checkpoint["global_step"], state["rng"]
+        # a save inside a step (SIGUSR1) may hold that step's point, which the resumed run records again
+        self.curve = [p for p in state["curve"] if p["step"] <= self.resumed_step]
+        self.wall_before = state["wall_s"]
 
     def on_train_start(self) -> None:
         # the streams are restored here, not on load: creating the DataLoader's iterator draws a seed from torch's
@@ -107,6 +118,9 @@ class LitLM(L.LightningModule):
         if self._rng is not None:
             set_rng_state(self._rng)
             self._rng = None
+
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        self._step_rng = (self.global_step, rng_state())
 
     def on_before_optimizer_step(self, optimizer) -> None:
         # Clipping here rather than through Trainer(gradient_clip_val): Lightning refuses that with fused

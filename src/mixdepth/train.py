@@ -20,7 +20,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, ThroughputMonitor
 
-from mixdepth.checkpoints import FINAL, checkpoint_callback, resume_path
+from mixdepth.checkpoints import FINAL, checkpoint_callback, drop_hpc_checkpoints, resume_path
 from mixdepth.config import DataConfig, TrainConfig
 from mixdepth.flops import train_flops
 from mixdepth.lit import LitLM, LMDataModule
@@ -183,6 +183,8 @@ def fit(run: RunConfig, cache_dir: Path | None = None) -> RunResult:
     lit.started = time.perf_counter()
     _call(trainer, trainer.fit, lit, datamodule=dm, ckpt_path=resume)
     wall = lit.wall_s()
+    if ckpt_dir:
+        drop_hpc_checkpoints(ckpt_dir)
     if ckpt_dir and t.keep_ckpt:
         trainer.save_checkpoint(ckpt_dir / FINAL)
     trainer.limit_val_batches = 1.0

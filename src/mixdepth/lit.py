@@ -8,6 +8,7 @@ places that do.
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import lightning as L
@@ -16,6 +17,7 @@ import torchmetrics
 from torch import nn
 from torch.utils.data import DataLoader
 
+from mixdepth.checkpoints import STATE, model_spec, rng_state, set_rng_state
 from mixdepth.config import DataConfig, DataError, TrainConfig
 from mixdepth.data import Corpus, ShardedBatchSampler, TokenWindows, as_batch, load_corpus
 
@@ -38,6 +40,11 @@ class LitLM(L.LightningModule):
         self.val_sums = torchmetrics.MetricCollection({})  # filled lazily: one SumMetric per statistic
         self.curve: list[dict] = []
         self.val_metrics: dict[str, float] = {}
+        self.started = time.perf_counter()  # when this process began training (train.fit sets it)
+        self.wall_before = 0.0  # training seconds of the run's earlier processes (restored from its checkpoint)
+        self.resumed_step = 0  # the optimizer step this process resumed at
+        self._rng: dict | None = None  # the checkpoint's random streams, until training starts
+        self._step_rng: tuple[int, dict] | None = None  # (global step, streams) as the current training step began
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         x, y = batch  # [B, T], [B, T]
@@ -72,6 +79,48 @@ class LitLM(L.LightningModule):
         loss = self.val_metrics["val_loss"]
         self.log_dict({"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}, prog_bar=True, logger=False)
         self.val_sums.reset()
+
+    def wall_s(self) -> float:
+        """Seconds this run has trained, over every process it ran in."""
+        return self.wall_before + time.perf_counter() - self.started
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # what Lightning does not keep, so that a resumed run is the uninterrupted one: the random streams (random
+        # routing draws from torch's), the curve so far, the time trained so far; the model config for load_model
+        checkpoint[STATE] = {
+            "model": model_spec(self.model.cfg),
+            "max_steps": self.max_steps,
+            "curve": self.curve,
+            "wall_s": self.wall_s(),
+            "rng": self._resume_rng(),
+        }
+
+    def _resume_rng(self) -> dict:
+        """The streams the step after this checkpoint's must start from. ``ModelCheckpoint`` saves between steps;
+        SLURM's SIGUSR1 handler saves wherever the signal lands: inside a step whose optimizer update is not yet
+        counted, a resumed run trains that step again, so it must draw what the step drew."""
+        if self._step_rng is not None and self._step_rng[0] == self.global_step:
+            return self._step_rng[1]
+        return rng_state()
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        state = checkpoint[STATE]
+        if (state["model"], state["max_steps"]) != (model_spec(self.model.cfg), self.max_steps):
+            raise ValueError("the checkpoint to resume from is of another run (model config or steps differ)")
+        self.resumed_step, self._rng = checkpoint["global_step"], state["rng"]
+        # a save inside a step (SIGUSR1) may hold that step's point, which the resumed run records again
+        self.curve = [p for p in state["curve"] if p["step"] <= self.resumed_step]
+        self.wall_before = state["wall_s"]
+
+    def on_train_start(self) -> None:
+        # the streams are restored here, not on load: creating the DataLoader's iterator draws a seed from torch's
+        # stream, once before step 1 in the uninterrupted run, and here after the load
+        if self._rng is not None:
+            set_rng_state(self._rng)
+            self._rng = None
+
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        self._step_rng = (self.global_step, rng_state())
 
     def on_before_optimizer_step(self, optimizer) -> None:
         # Clipping here rather than through Trainer(gradient_clip_val): Lightning refuses that with fused
@@ -137,7 +186,8 @@ class LMDataModule(L.LightningDataModule):
         trainer = getattr(self, "trainer", None)
         rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
         ds = TokenWindows(self.corpus.train, self.cfg.seq_len, seed=self.seed)
-        sampler = ShardedBatchSampler(len(ds), self.batch_size, rank, world)
+        start = trainer.global_step if trainer is not None else 0  # a resumed run goes on where it stopped
+        sampler = ShardedBatchSampler(len(ds), self.batch_size, rank, world, start)
         return DataLoader(ds, batch_sampler=sampler, collate_fn=as_batch, num_workers=0)
 
     def val_dataloader(self) -> DataLoader:

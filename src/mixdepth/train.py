@@ -18,8 +18,9 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ThroughputMonitor
+from lightning.pytorch.callbacks import ModelCheckpoint, ThroughputMonitor
 
+from mixdepth.checkpoints import FINAL, checkpoint_callback, drop_hpc_checkpoints, resume_path
 from mixdepth.config import DataConfig, TrainConfig
 from mixdepth.flops import train_flops
 from mixdepth.lit import LitLM, LMDataModule
@@ -43,6 +44,7 @@ class RunConfig:
 class RunResult:
     metrics: RunMetrics  # what the store keeps of the run (one row of ``runs`` with the plan)
     curve: list[dict] = field(default_factory=list)  # step, tokens, flops, train_loss, lr every log_every steps
+    resumed_step: int = 0  # the step the run resumed at from its checkpoint (0: trained from the start)
 
 
 class PeakThroughputMonitor(ThroughputMonitor):
@@ -61,6 +63,8 @@ class PeakThroughputMonitor(ThroughputMonitor):
     def summary(self) -> dict[str, float]:
         from lightning.pytorch.trainer.states import RunningStage
 
+        if not self._batches.get(RunningStage.TRAINING):  # resumed from its final checkpoint: nothing trained here
+            return {}
         return self._throughputs[RunningStage.TRAINING].compute()
 
 
@@ -107,6 +111,8 @@ def _quiet() -> None:
     # a host with SLURM's tools but a run not started by srun (a laptop, a login node, the tests' cluster)
     for msg in (*quiet, "The `srun` command is available on your system but is not used"):
         warnings.filterwarnings("ignore", message=f".*{msg}.*")
+    # a resumed run's sampler is resumable (ShardedBatchSampler's start step), which Lightning cannot see
+    warnings.filterwarnings("ignore", message=".*dataloader is not resumable.*")
 
 
 def resolve_device(t: TrainConfig) -> tuple[str, str]:
@@ -116,15 +122,18 @@ def resolve_device(t: TrainConfig) -> tuple[str, str]:
     return accelerator, precision
 
 
-def make_trainer(t: TrainConfig, steps: int, accelerator: str, precision: str, callbacks: list) -> L.Trainer:
-    """The Trainer every run uses (benchmarks time this same object)."""
+def make_trainer(
+    t: TrainConfig, steps: int, accelerator: str, precision: str, callbacks: list, root_dir: str | None = None
+) -> L.Trainer:
+    """The Trainer every run uses (benchmarks time this same object). ``root_dir``: the run's checkpoint folder,
+    where Lightning's SLURM auto-requeue (SIGUSR1) saves ``hpc_ckpt_K.ckpt`` and looks for one to resume from."""
     return L.Trainer(
         accelerator=accelerator,
         devices=1,
         precision=precision,
         max_steps=steps,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),  # else Lightning adds its own
         enable_model_summary=False,
         enable_progress_bar=t.progress,
         num_sanity_val_steps=0,
@@ -132,6 +141,7 @@ def make_trainer(t: TrainConfig, steps: int, accelerator: str, precision: str, c
         callbacks=callbacks,
         log_every_n_steps=t.log_every,
         use_distributed_sampler=False,
+        default_root_dir=root_dir,
     )
 
 
@@ -168,10 +178,17 @@ def fit(run: RunConfig, cache_dir: Path | None = None) -> RunResult:
     lit = LitLM(model, t, run.steps, flops_per_batch=train_flops(fpt, tokens_per_batch))
     peak = peak_flops(t, accelerator, precision)
     monitor = PeakThroughputMonitor(peak, window_size=max(2, min(100, run.steps // 2)))
-    trainer = make_trainer(t, run.steps, accelerator, precision, [monitor])
-    start = time.perf_counter()
-    _call(trainer, trainer.fit, lit, train_dataloaders=dm.train_dataloader())
-    wall = time.perf_counter() - start
+    ckpt_dir = Path(run.ckpt_dir) if run.ckpt_dir else None
+    saver = [checkpoint_callback(ckpt_dir, t.ckpt_every)] if ckpt_dir and t.ckpt_every else []
+    trainer = make_trainer(t, run.steps, accelerator, precision, [monitor, *saver], run.ckpt_dir)
+    resume = resume_path(ckpt_dir) if ckpt_dir else None
+    lit.started = time.perf_counter()
+    _call(trainer, trainer.fit, lit, datamodule=dm, ckpt_path=resume)
+    wall = lit.wall_s()
+    if ckpt_dir:
+        drop_hpc_checkpoints(ckpt_dir)
+    if ckpt_dir and t.keep_ckpt:
+        trainer.save_checkpoint(ckpt_dir / FINAL)
     trainer.limit_val_batches = 1.0
     _call(trainer, trainer.validate, lit, dataloaders=dm.val_dataloader(), verbose=False)
 
@@ -202,4 +219,4 @@ def fit(run: RunConfig, cache_dir: Path | None = None) -> RunResult:
         corpus_fingerprint=corpus.fingerprint,
         routing_stats={k: v if math.isfinite(v) else None for k, v in stats.items()} or None,  # JSON: no NaN
     )
-    return RunResult(metrics, lit.curve)
+    return RunResult(metrics, lit.curve, lit.resumed_step)

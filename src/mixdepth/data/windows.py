@@ -93,16 +93,19 @@ class ShardedBatchSampler(Sampler[list[int]]):
     Rank ``r`` gets indices ``[(k*world + r)*B, (k*world + r + 1)*B)`` at step ``k``, so W ranks with batch
     B see exactly the samples of one process with batch W*B. Lazy: never materialises the index list
     (Lightning's DistributedSampler would build a list of all 2**31 indices: keep
-    ``Trainer(use_distributed_sampler=False)``).
+    ``Trainer(use_distributed_sampler=False)``). ``start``: the first step to yield, so that a run resumed at
+    step k draws what the uninterrupted run drew from step k on (Lightning restarts a plain DataLoader's epoch at
+    its first batch, and a run is one epoch).
     """
 
-    def __init__(self, num_samples: int, batch_size: int, rank: int = 0, world: int = 1) -> None:
+    def __init__(self, num_samples: int, batch_size: int, rank: int = 0, world: int = 1, start: int = 0) -> None:
         self.num_samples, self.batch_size, self.rank, self.world = num_samples, batch_size, rank, world
+        self.start = start
 
     def __len__(self) -> int:
-        return self.num_samples // (self.batch_size * self.world)
+        return self.num_samples // (self.batch_size * self.world) - self.start
 
     def __iter__(self) -> Iterator[list[int]]:
-        for k in range(len(self)):
+        for k in range(self.start, self.start + len(self)):
             base = (k * self.world + self.rank) * self.batch_size
             yield list(range(base, base + self.batch_size))

@@ -1,0 +1,206 @@
+"""Sweeps across hosts on a real PostgreSQL server: ``isoflop --enqueue-only``, ``worker`` processes, ``collect``.
+
+Every grid point is trained once and stored once whatever the number of workers and collects; a worker killed with
+kill -9 mid-run loses nothing: after the heartbeat grace another worker trains the run again from its checkpoint,
+to the losses of an uninterrupted run; the storage password appears nowhere.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import optuna
+import pytest
+
+from sweeps import queue
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+ARGS = [
+    "sweep.archs=[dense]",
+    "sweep.budgets=[4e8]",
+    "sweep.ladder=[{d_model: 16, n_layers: 1, n_heads: 2}, {d_model: 24, n_layers: 1, n_heads: 2},"
+    " {d_model: 32, n_layers: 1, n_heads: 2}]",
+    "sweep.min_steps=4",
+    "sweep.bootstrap=5",
+    "sweep.workers=1",
+    "train.batch_size=4",
+    "train.threads=1",
+    "train.progress=false",
+    "train.accelerator=cpu",
+    "data.max_bytes=200000",
+    "data.val_tokens=2048",
+    "data.seq_len=32",
+]
+BEAT = ["sweep.heartbeat_interval=1", "sweep.grace_period=3"]
+
+
+def _worker(tmp_path, url: str, env, name: str, *extra: str) -> subprocess.Popen:
+    out = (tmp_path / f"{name}.log").open("w")
+    cmd = [sys.executable, "-m", "sweeps", "worker", "--storage", url, "--workers", "1", *extra]
+    return subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _study(url: str) -> optuna.Study:
+    storage = queue.open_storage(url, create=False)
+    (name,) = queue.sweeps_in(storage)
+    return queue.load(storage, name)
+
+
+def _trials(url: str) -> list[tuple[str, str]]:
+    """(run_id, state) of every trial of the one sweep in the storage."""
+    return sorted((queue.run_id(t), t.state.name) for t in queue.trials(_study(url)))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, cli, val_losses):
+    """The sweep of ARGS on one host (the journal beside its database): what every distributed run must equal."""
+    db = tmp_path_factory.mktemp("reference") / "ref.db"
+    r = cli("sweeps", "isoflop", "--db", str(db), *ARGS)
+    assert r.returncode == 0, r.stderr[-2000:]
+    losses = val_losses(db)
+    assert len(losses) == 3 and all(v is not None for v in losses.values())
+    return losses
+
+
+def test_three_workers_train_every_run_once(tmp_path, postgres, cli, cli_env, reference, val_losses):
+    url = postgres.new_db()
+    queued = cli("sweeps", "isoflop", "--enqueue-only", f"sweep.storage={url}", *ARGS)
+    assert queued.returncode == 0, queued.stderr[-2000:]
+    assert "3 runs planned, 3 queued" in queued.stdout
+    again = cli("sweeps", "isoflop", "--enqueue-only", f"sweep.storage={url}", *ARGS)  # queued once, however often
+    assert again.returncode == 0 and "3 runs planned, 0 queued" in again.stdout, again.stderr[-2000:]
+
+    workers = [_worker(tmp_path, url, cli_env, f"w{i}") for i in range(3)]
+    seen_running = False
+    while any(w.poll() is None for w in workers):
+        st = cli("sweeps", "status", "--storage", url, "--db", str(tmp_path / "none.db"))
+        assert st.returncode == 0, st.stderr[-2000:]
+        seen_running |= "running sweep" in st.stdout and f"{os.uname().nodename}:" in st.stdout
+        time.sleep(0.5)
+    logs = [(tmp_path / f"w{i}.log").read_text() for i in range(3)]
+    assert [w.returncode for w in workers] == [0, 0, 0], logs
+    assert seen_running, "status never showed a running run with its host"
+    assert sum(log.count("val_loss=") for log in logs) == 3, logs  # each run trained by exactly one worker
+    assert _trials(url) == sorted((rid, "COMPLETE") for rid in reference)
+
+    db = tmp_path / "results.db"
+    first = cli("sweeps", "collect", "--storage", url, "--db", str(db))
+    second = cli("sweeps", "collect", "--storage", url, "--db", str(db))
+    assert first.returncode == 0 and "3 runs added" in first.stdout, first.stderr[-2000:]
+    assert second.returncode == 0 and "0 runs added" in second.stdout, second.stderr[-2000:]
+    assert val_losses(db) == reference  # bit-identical to one host's sweep, one row per grid point
+    report = cli("analysis", "report", "--db", str(db))
+    assert report.returncode == 0, report.stderr[-2000:]
+
+    secret = postgres.password
+    outputs = [queued.stdout, queued.stderr, first.stdout, st.stdout, report.stdout, *logs]
+    assert not [o for o in outputs if secret in o]
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert db in files and not [p for p in files if secret.encode() in p.read_bytes()]
+
+
+def test_a_killed_worker_s_run_is_retried_from_its_checkpoint(tmp_path, postgres, cli, cli_env, reference, val_losses):
+    """kill -9 of a worker mid-run: its training process dies with it; after the grace period the other worker
+    fails the stale trial, Optuna's retry callback queues the run again, and it resumes from its checkpoint."""
+    url = postgres.new_db()
+    ckpt = tmp_path / "ckpt"
+    extra = [f"sweep.storage={url}", *BEAT, "train.ckpt_every=5", f"train.ckpt_dir={ckpt}"]
+    assert cli("sweeps", "isoflop", "--enqueue-only", *ARGS, *extra).returncode == 0
+    first = _worker(tmp_path, url, cli_env, "first")
+    deadline = time.monotonic() + 300
+    while not list(ckpt.glob("*/*.ckpt")):  # a checkpoint of its first run is on disk: kill it mid-run
+        assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()
+        time.sleep(0.05)
+    (killed,) = {p.parent.name for p in ckpt.glob("*/*.ckpt")}
+    session = [p for p in _session(first.pid)]
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait()
+    time.sleep(1)
+    assert not [p for p in session if _alive(p)], "the killed worker's training process outlived it"
+
+    second = _worker(tmp_path, url, cli_env, "second")
+    assert second.wait(300) == 0, (tmp_path / "second.log").read_text()
+    log = (tmp_path / "second.log").read_text()
+    assert log.count("val_loss=") == 3, log
+    trials = _trials(url)
+    assert trials == sorted([(rid, "COMPLETE") for rid in reference] + [(killed, "FAIL")])
+    assert not (ckpt / killed).exists()  # stored through the storage: its checkpoints are dropped
+
+    db = tmp_path / "results.db"
+    assert cli("sweeps", "collect", "--storage", url, "--db", str(db)).returncode == 0
+    assert val_losses(db) == reference  # the resumed run ends as if never killed
+
+
+def _session(sid: int) -> list[int]:
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                stat = open(f"/proc/{name}/stat").read()
+            except OSError:
+                continue
+            if int(stat[stat.rindex(")") + 2 :].split()[3]) == sid:
+                out.append(int(name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["unreachable host", "wrong password", "unknown scheme", "sweep not in storage", "devices", "strategy", "ckpt"],
+)
+def test_bad_input_writes_nothing(case, tmp_path, postgres, cli):
+    """One line naming the problem, a non-zero exit, no database made and nothing in the storage."""
+    url = postgres.new_db()
+    db = tmp_path / "results.db"
+    port = postgres.url("x").rsplit(":", 1)[1].split("/")[0]
+    wrong = {
+        "unreachable host": url.replace(f":{port}/", ":1/"),
+        "wrong password": url.replace(postgres.password, "not-the-password"),
+        "unknown scheme": "foo" + url[url.index("://") :],
+    }
+    if case in wrong:
+        runs = [
+            cli("sweeps", "isoflop", "--db", str(db), f"sweep.storage={wrong[case]}", *ARGS),
+            cli("sweeps", "worker", "--storage", wrong[case]),
+            cli("sweeps", "collect", "--storage", wrong[case], "--db", str(db)),
+        ]
+    elif case == "sweep not in storage":
+        assert cli("sweeps", "isoflop", "--enqueue-only", f"sweep.storage={url}", *ARGS).returncode == 0
+        runs = [
+            cli("sweeps", "worker", "--storage", url, "--sweep", "isoflop-00000000"),
+            cli("sweeps", "collect", "--storage", url, "--db", str(db), "--sweep", "isoflop-00000000"),
+        ]
+    else:
+        bad = {"devices": "train.devices=4096", "strategy": "train.strategy=horovod", "ckpt": "train.ckpt_every=0"}
+        runs = [cli("sweeps", "isoflop", "--db", str(db), f"sweep.storage={url}", *ARGS, bad[case])]
+    before = _trials(url) if case == "sweep not in storage" else None
+    for r in runs:
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr[-2000:]
+        assert postgres.password not in r.stderr + r.stdout
+    what = {
+        "unreachable host": "Connection refused",
+        "wrong password": "password authentication failed",
+        "unknown scheme": "unknown storage URL scheme 'foo'",
+        "sweep not in storage": "sweep isoflop-00000000 is not in storage",
+        "devices": "train.devices",
+        "strategy": "train.strategy",
+        "ckpt": "train.ckpt_every",
+    }[case]
+    assert all(what in r.stderr for r in runs), [r.stderr for r in runs]
+    assert not db.exists()
+    if before is not None:
+        assert _trials(url) == before
+    else:
+        assert queue.sweeps_in(queue.open_storage(url, create=False)) == {}

@@ -14,6 +14,7 @@ import lightning as L
 import torch
 import torchmetrics
 from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.utils.data import BatchSampler, DataLoader
 
 from mixdepth.config import DataConfig, DataError, TrainConfig
@@ -78,9 +79,15 @@ class LitLM(L.LightningModule):
 
     def on_before_optimizer_step(self, optimizer) -> None:
         # Clipping here rather than through Trainer(gradient_clip_val): Lightning refuses that with fused
-        # AdamW under mixed precision, although bf16 has no grad scaler (grads are already unscaled here).
+        # AdamW under mixed precision, although bf16 has no grad scaler (grads are already unscaled here), and
+        # refuses norm clipping under FSDP. There each rank holds a shard: only the root FSDP module's
+        # clip_grad_norm_ takes the norm over all of them.
         if self.cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+            wrapped = self.trainer.strategy.model
+            if isinstance(wrapped, FullyShardedDataParallel):
+                wrapped.clip_grad_norm_(self.cfg.grad_clip)
+            else:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
 
     def configure_optimizers(self):
         c = self.cfg

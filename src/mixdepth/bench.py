@@ -115,21 +115,25 @@ def bench_mfu(args) -> None:
 
 
 def bench_ddp(args) -> None:
-    """One process with every core against ``--ranks`` processes sharing them (launch's OMP_NUM_THREADS), same
-    global batch: tokens/s over the ThroughputMonitor's window (steady state), and fit's wall time (with startup)."""
+    """One process against ``--ranks`` processes, same global batch: tokens/s over the ThroughputMonitor's window
+    (steady state), and fit's wall time (with the ranks' startup). ``--threads 0``: the one process has every core,
+    the ranks share them (launch's OMP_NUM_THREADS); ``--threads N``: N torch threads in every process."""
     _quiet()
     model = DenseConfig(d_model=args.d_model, n_layers=args.n_layers, n_heads=4, n_kv_heads=4, seq_len=128)
     data = DataConfig(seq_len=128, max_bytes=1_000_000, val_tokens=8192)
     rows: dict[int, list[tuple[float, float]]] = {1: [], args.ranks: []}
     for _ in range(args.repeats):
         for devices in rows:
-            train = TrainConfig(batch_size=args.batch_size, devices=devices, accelerator="cpu", progress=False)
+            train = TrainConfig(
+                batch_size=args.batch_size, devices=devices, accelerator="cpu", threads=args.threads, progress=False
+            )
             start = time.perf_counter()
             m = fit(RunConfig(model, data, train, args.steps)).metrics
             rows[devices].append((m.tokens_per_s, time.perf_counter() - start))
     print(
         f"dense d_model={args.d_model} layers={args.n_layers}, global batch {args.batch_size}x128, {args.steps} steps,"
-        f" {args.repeats} alternating repeats, {torch.get_num_threads()} torch threads in one process"
+        f" {args.repeats} alternating repeats, torch threads per process: "
+        + (f"{args.threads}" if args.threads else f"{torch.get_num_threads()} alone, cores / ranks as ranks")
     )
     tps = {}
     for devices, runs in rows.items():
@@ -310,6 +314,7 @@ def main() -> None:
     dp.add_argument("--batch-size", type=int, default=16)
     dp.add_argument("--d-model", type=int, default=128)
     dp.add_argument("--n-layers", type=int, default=4)
+    dp.add_argument("--threads", type=int, default=0, help="torch threads per process; 0: cores shared out")
     args = p.parse_args()
     try:
         {"loop": bench_loop, "mfu": bench_mfu, "step": bench_step, "ddp": bench_ddp}[args.cmd](args)

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,7 +80,10 @@ class Cluster:
 def cluster() -> Cluster:
     """The launch this process is part of, read from the cluster environment Lightning's Trainer would pick."""
     for env_type, name in EXTERNAL.items():
-        if env_type.detect():
+        with warnings.catch_warnings():  # SLURM's "srun is available but not used": advice on Lightning's launch
+            warnings.simplefilter("ignore")
+            detected = env_type.detect()
+        if detected:
             env = env_type()
             return Cluster(
                 env.global_rank(), env.world_size(), env.local_rank(), env.node_rank(), env.main_address,

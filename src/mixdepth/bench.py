@@ -1,9 +1,10 @@
-"""Training-loop benchmarks (scripts, not tests): ``python -m mixdepth.bench loop|mfu``.
+"""Training-loop benchmarks (scripts, not tests): ``python -m mixdepth.bench loop|mfu|step|ddp``.
 
 loop: the Lightning path every run takes (train.make_trainer + LitLM) against a plain PyTorch loop with the
       same model, data, optimizer, schedule and clipping, alternated in one process; prints the ratio.
 mfu:  tokens/s and MFU of a GPT-2-small-shaped dense model through train.fit (bf16, torch.compile).
 step: training-step time and peak memory of several archs at one shape (e.g. MoD vs dense), GPU.
+ddp:  the same run through train.fit on 1 and on N CPU processes (DDP over gloo), alternated; tokens/s and ratio.
 """
 
 from __future__ import annotations
@@ -111,6 +112,36 @@ def bench_mfu(args) -> None:
     )
     mfu = f"MFU {res.mfu:.1%} of peak {res.peak_flops:.4g} FLOP/s" if res.mfu else "MFU n/a (no known peak)"
     print(f"tokens/s {res.tokens_per_s:,.0f}  {mfu} (window of the last {min(100, args.steps // 2)} steps)")
+
+
+def bench_ddp(args) -> None:
+    """One process against ``--ranks`` processes, same global batch: tokens/s over the ThroughputMonitor's window
+    (steady state), and fit's wall time (with the ranks' startup). ``--threads 0``: the one process has every core,
+    the ranks share them (launch's OMP_NUM_THREADS); ``--threads N``: N torch threads in every process."""
+    _quiet()
+    model = DenseConfig(d_model=args.d_model, n_layers=args.n_layers, n_heads=4, n_kv_heads=4, seq_len=128)
+    data = DataConfig(seq_len=128, max_bytes=1_000_000, val_tokens=8192)
+    rows: dict[int, list[tuple[float, float]]] = {1: [], args.ranks: []}
+    for _ in range(args.repeats):
+        for devices in rows:
+            train = TrainConfig(
+                batch_size=args.batch_size, devices=devices, accelerator="cpu", threads=args.threads, progress=False
+            )
+            start = time.perf_counter()
+            m = fit(RunConfig(model, data, train, args.steps)).metrics
+            rows[devices].append((m.tokens_per_s, time.perf_counter() - start))
+    print(
+        f"dense d_model={args.d_model} layers={args.n_layers}, global batch {args.batch_size}x128, {args.steps} steps,"
+        f" {args.repeats} alternating repeats, torch threads per process: "
+        + (f"{args.threads}" if args.threads else f"{torch.get_num_threads()} alone, cores / ranks as ranks")
+    )
+    tps = {}
+    for devices, runs in rows.items():
+        tps[devices] = statistics.median(r[0] for r in runs)
+        walls = statistics.median(r[1] for r in runs)
+        each = ", ".join(f"{r[0]:,.0f}" for r in runs)
+        print(f"{devices} process(es): {tps[devices]:,.0f} tokens/s median ({each}); fit wall {walls:.1f}s median")
+    print(f"ratio {args.ranks} processes / 1 = {tps[args.ranks] / tps[1]:.3f}")
 
 
 def _profile(step, label: str, rows: int) -> None:
@@ -276,9 +307,17 @@ def main() -> None:
     )
     sp.add_argument("--profile", type=int, default=0, help="print the N heaviest GPU kernels per arch")
     sp.add_argument("--set", nargs="*", default=[], help="arch.key=value model options, e.g. mod.capacity=0.125")
+    dp = sub.add_parser("ddp", help="one CPU process vs several (DDP over gloo), same global batch")
+    dp.add_argument("--ranks", type=int, default=2)
+    dp.add_argument("--steps", type=int, default=100)
+    dp.add_argument("--repeats", type=int, default=3)
+    dp.add_argument("--batch-size", type=int, default=16)
+    dp.add_argument("--d-model", type=int, default=128)
+    dp.add_argument("--n-layers", type=int, default=4)
+    dp.add_argument("--threads", type=int, default=0, help="torch threads per process; 0: cores shared out")
     args = p.parse_args()
     try:
-        {"loop": bench_loop, "mfu": bench_mfu, "step": bench_step}[args.cmd](args)
+        {"loop": bench_loop, "mfu": bench_mfu, "step": bench_step, "ddp": bench_ddp}[args.cmd](args)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

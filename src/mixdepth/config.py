@@ -303,10 +303,31 @@ def check_rules(section: str, cfg: Any, error: type[Exception] = ConfigError) ->
                 raise error(f"{key} must be {what}, got {value!r}")
 
 
+FSDP_CPU = "train.strategy=fsdp needs GPUs (Lightning's FSDPStrategy refuses the CPU); use train.strategy=ddp"
+
+
+def micro_batch(t: TrainConfig) -> int:
+    """Sequences per rank per step: ``train.batch_size`` is the optimizer step's whatever the device count.
+
+    Raises:
+        ConfigError: the batch does not split evenly over ``devices * num_nodes`` ranks.
+    """
+    world = t.devices * t.num_nodes
+    if t.batch_size % world:
+        raise ConfigError(
+            f"train.batch_size={t.batch_size} must split evenly over train.devices * train.num_nodes = "
+            f"{t.devices} * {t.num_nodes} ranks"
+        )
+    return t.batch_size // world
+
+
 def _validate(lab: LabConfig, families: list[str]) -> None:
     s = lab.sweep
     for section in ("sweep", "data", "train"):
         check_rules(section, getattr(lab, section))
+    micro_batch(lab.train)
+    if lab.train.strategy == "fsdp" and lab.train.accelerator == "cpu":  # auto: launch.check_devices, on the host
+        raise ConfigError(FSDP_CPU)
     if not s.archs:
         raise ConfigError("sweep.archs is empty")
     if len(set(s.archs)) != len(s.archs):

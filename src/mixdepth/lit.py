@@ -15,7 +15,8 @@ import lightning as L
 import torch
 import torchmetrics
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.utils.data import BatchSampler, DataLoader
 
 from mixdepth.checkpoints import STATE, model_spec, rng_state, set_rng_state
 from mixdepth.config import DataConfig, DataError, TrainConfig
@@ -36,7 +37,8 @@ class LitLM(L.LightningModule):
     def __init__(self, model: nn.Module, train: TrainConfig, max_steps: int, flops_per_batch: float):
         super().__init__()
         self.model, self.cfg, self.max_steps = model, train, max_steps
-        self.flops_per_batch = flops_per_batch  # training FLOPs (flops.train_flops), read by ThroughputMonitor
+        # training FLOPs (flops.train_flops) of one rank's batch: ThroughputMonitor reads it as per device
+        self.flops_per_batch = flops_per_batch
         self.val_sums = torchmetrics.MetricCollection({})  # filled lazily: one SumMetric per statistic
         self.curve: list[dict] = []
         self.val_metrics: dict[str, float] = {}
@@ -51,12 +53,14 @@ class LitLM(L.LightningModule):
         loss = self.model.loss(x, y)
         step = self.global_step + 1
         if step % self.cfg.log_every == 0 or step == self.max_steps or step == 1:
-            value = loss.detach().float().item()
+            # the global batch's mean loss: ranks hold equal token counts, so the mean of their means
+            value = self.trainer.strategy.reduce(loss.detach().float(), reduce_op="mean").item()
+            world = self.trainer.world_size
             self.curve.append(
                 {
                     "step": step,
-                    "tokens": step * x.numel(),
-                    "flops": step * self.flops_per_batch,
+                    "tokens": step * x.numel() * world,
+                    "flops": step * self.flops_per_batch * world,
                     "train_loss": value,
                     "lr": self.lr_schedulers().get_last_lr()[0],
                 }
@@ -124,9 +128,15 @@ class LitLM(L.LightningModule):
 
     def on_before_optimizer_step(self, optimizer) -> None:
         # Clipping here rather than through Trainer(gradient_clip_val): Lightning refuses that with fused
-        # AdamW under mixed precision, although bf16 has no grad scaler (grads are already unscaled here).
+        # AdamW under mixed precision, although bf16 has no grad scaler (grads are already unscaled here), and
+        # refuses norm clipping under FSDP. There each rank holds a shard: only the root FSDP module's
+        # clip_grad_norm_ takes the norm over all of them.
         if self.cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+            wrapped = self.trainer.strategy.model
+            if isinstance(wrapped, FullyShardedDataParallel):
+                wrapped.clip_grad_norm_(self.cfg.grad_clip)
+            else:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
 
     def configure_optimizers(self):
         c = self.cfg
@@ -183,14 +193,27 @@ class LMDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         """Endless-enough random windows; sharded by rank when a distributed trainer is attached."""
-        trainer = getattr(self, "trainer", None)
-        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        rank, world = self._rank()
         ds = TokenWindows(self.corpus.train, self.cfg.seq_len, seed=self.seed)
+        trainer = getattr(self, "trainer", None)
         start = trainer.global_step if trainer is not None else 0  # a resumed run goes on where it stopped
         sampler = ShardedBatchSampler(len(ds), self.batch_size, rank, world, start)
         return DataLoader(ds, batch_sampler=sampler, collate_fn=as_batch, num_workers=0)
 
     def val_dataloader(self) -> DataLoader:
-        """The fixed validation windows, in order (the last batch may be smaller)."""
+        """The fixed validation windows in order, rank r of W taking the r-th of W contiguous shares (the last batch
+        may be smaller); the sums LitLM keeps add up over ranks to one process's."""
+        rank, world = self._rank()
         ds = TokenWindows(self.corpus.val, self.cfg.seq_len)
-        return DataLoader(ds, batch_size=self.batch_size, collate_fn=as_batch, num_workers=0)
+        if len(ds) < world:
+            raise DataError(
+                f"{len(ds)} validation windows cannot give each of {world} ranks one; raise data.val_tokens"
+            )
+        share = range(rank * len(ds) // world, (rank + 1) * len(ds) // world)
+        batches = BatchSampler(share, self.batch_size, drop_last=False)
+        return DataLoader(ds, batch_sampler=batches, collate_fn=as_batch, num_workers=0)
+
+    def _rank(self) -> tuple[int, int]:
+        """(rank, world) of the attached trainer; (0, 1) without one."""
+        trainer = getattr(self, "trainer", None)
+        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)

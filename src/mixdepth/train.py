@@ -1,6 +1,7 @@
 """``fit(run) -> RunResult``: one training run with Lightning, measured into the store's ``RunMetrics``.
 
-No database connection and no Optuna here: the caller (sweeps/runner.py) stores what ``fit`` returns.
+No database connection and no Optuna here: the caller (sweeps/runner.py) stores what ``fit`` returns. A run on
+several devices or nodes is started by mixdepth.launch; every rank returns the same RunResult (rank 0's figures).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, ThroughputMonitor
 
 from mixdepth.checkpoints import FINAL, checkpoint_callback, drop_hpc_checkpoints, resume_path
-from mixdepth.config import DataConfig, TrainConfig
+from mixdepth.config import DataConfig, TrainConfig, micro_batch
 from mixdepth.flops import train_flops
+from mixdepth.launch import check_devices, launch, resolve_device
 from mixdepth.lit import LitLM, LMDataModule
 from mixdepth.models import MODELS
 from mixdepth.results import RunMetrics
@@ -68,10 +70,11 @@ class PeakThroughputMonitor(ThroughputMonitor):
         return self._throughputs[RunningStage.TRAINING].compute()
 
 
-def device_name(accelerator: str) -> str:
-    if accelerator == "gpu":
-        return torch.cuda.get_device_name(0)
-    return f"cpu:{platform.machine()}x{torch.get_num_threads()}"
+def device_name(accelerator: str, world: int = 1) -> str:
+    """The chip (CPU: architecture and threads per rank), and the rank count when there are several."""
+    cpu = f"cpu:{platform.machine()}x{torch.get_num_threads()}"
+    name = torch.cuda.get_device_name(0) if accelerator == "gpu" else cpu
+    return f"{name} ({world} ranks)" if world > 1 else name
 
 
 def peak_flops(train: TrainConfig, accelerator: str, precision: str) -> float | None:
@@ -115,21 +118,17 @@ def _quiet() -> None:
     warnings.filterwarnings("ignore", message=".*dataloader is not resumable.*")
 
 
-def resolve_device(t: TrainConfig) -> tuple[str, str]:
-    """(accelerator, precision) with ``auto`` resolved: bf16-mixed on a GPU, fp32 on the CPU."""
-    accelerator = t.accelerator if t.accelerator != "auto" else ("gpu" if torch.cuda.is_available() else "cpu")
-    precision = t.precision if t.precision != "auto" else ("bf16-mixed" if accelerator == "gpu" else "32-true")
-    return accelerator, precision
-
-
 def make_trainer(
     t: TrainConfig, steps: int, accelerator: str, precision: str, callbacks: list, root_dir: str | None = None
 ) -> L.Trainer:
-    """The Trainer every run uses (benchmarks time this same object). ``root_dir``: the run's checkpoint folder,
-    where Lightning's SLURM auto-requeue (SIGUSR1) saves ``hpc_ckpt_K.ckpt`` and looks for one to resume from."""
+    """The Trainer every run uses (benchmarks time this same object): ``t.devices`` per node on ``t.num_nodes``.
+    ``root_dir``: the run's checkpoint folder, where Lightning's SLURM auto-requeue (SIGUSR1) saves
+    ``hpc_ckpt_K.ckpt`` and looks for one to resume from."""
     return L.Trainer(
         accelerator=accelerator,
-        devices=1,
+        devices=t.devices,
+        num_nodes=t.num_nodes,
+        strategy=t.strategy,  # auto: one device alone, DDP (gloo on CPU, nccl on GPU) for more; ddp; fsdp
         precision=precision,
         max_steps=steps,
         logger=False,
@@ -159,7 +158,20 @@ def _call(trainer: L.Trainer, trainer_fn, *args, **kwargs) -> None:
 
 
 def fit(run: RunConfig, cache_dir: Path | None = None) -> RunResult:
-    """Train ``run.model`` for ``run.steps`` steps and evaluate on the fixed held-out set."""
+    """Train ``run.model`` for ``run.steps`` steps and evaluate on the fixed held-out set.
+
+    On ``train.devices * train.num_nodes`` ranks each step sees ``train.batch_size`` sequences in all; without an
+    external launcher the ranks are started here (mixdepth.launch) and the result comes back to this process.
+
+    Raises:
+        ConfigError: the devices asked for are not there (``launch.check_devices``), before anything is trained.
+    """
+    check_devices(run.train)
+    return launch(_fit, run.train, run, cache_dir)
+
+
+def _fit(run: RunConfig, cache_dir: Path | None) -> RunResult:
+    """``fit`` on one rank."""
     _quiet()
     t = run.train
     if t.threads > 0:
@@ -167,15 +179,16 @@ def fit(run: RunConfig, cache_dir: Path | None = None) -> RunResult:
     accelerator, precision = resolve_device(t)
     L.seed_everything(t.seed, verbose=False)
 
-    dm = LMDataModule(run.data, batch_size=t.batch_size, seed=t.seed, cache_dir=cache_dir)
+    world = t.devices * t.num_nodes
+    dm = LMDataModule(run.data, batch_size=micro_batch(t), seed=t.seed, cache_dir=cache_dir)
     dm.setup("fit")
     corpus = dm.corpus
     model = MODELS[run.model.arch][1](run.model)
     if t.compile:
         model.compile()
-    tokens_per_batch = t.batch_size * run.data.seq_len
+    tokens_per_batch = t.batch_size * run.data.seq_len  # the optimizer step's, over all ranks
     fpt = run.model.flops_per_token()
-    lit = LitLM(model, t, run.steps, flops_per_batch=train_flops(fpt, tokens_per_batch))
+    lit = LitLM(model, t, run.steps, flops_per_batch=train_flops(fpt, tokens_per_batch) / world)
     peak = peak_flops(t, accelerator, precision)
     monitor = PeakThroughputMonitor(peak, window_size=max(2, min(100, run.steps // 2)))
     ckpt_dir = Path(run.ckpt_dir) if run.ckpt_dir else None
@@ -183,16 +196,18 @@ def fit(run: RunConfig, cache_dir: Path | None = None) -> RunResult:
     trainer = make_trainer(t, run.steps, accelerator, precision, [monitor, *saver], run.ckpt_dir)
     resume = resume_path(ckpt_dir) if ckpt_dir else None
     lit.started = time.perf_counter()
-    _call(trainer, trainer.fit, lit, datamodule=dm, ckpt_path=resume)
+    _call(trainer, trainer.fit, lit, datamodule=dm, ckpt_path=resume)  # the datamodule: its loaders see the rank
     wall = lit.wall_s()
     if ckpt_dir:
         drop_hpc_checkpoints(ckpt_dir)
     if ckpt_dir and t.keep_ckpt:
         trainer.save_checkpoint(ckpt_dir / FINAL)
     trainer.limit_val_batches = 1.0
-    _call(trainer, trainer.validate, lit, dataloaders=dm.val_dataloader(), verbose=False)
+    _call(trainer, trainer.validate, lit, datamodule=dm, verbose=False)
 
-    tp = monitor.summary()
+    # The ThroughputMonitor measures on rank 0 only (per device, items = this rank's tokens); every rank returns
+    # rank 0's figures. Its device/mfu is per-device FLOP/s (flops_per_batch is per device) over the per-device peak.
+    tp, wall = trainer.strategy.broadcast((monitor.summary() if trainer.is_global_zero else None, wall), src=0)
     tokens = run.steps * tokens_per_batch
     tail = [p["train_loss"] for p in lit.curve[-max(1, len(lit.curve) // 10) :]]
     stats = dict(lit.val_metrics)  # what is left after the two losses: routing statistics
@@ -202,7 +217,7 @@ def fit(run: RunConfig, cache_dir: Path | None = None) -> RunResult:
     diverged = not all(math.isfinite(v) for v in losses.values())
     if diverged:  # a loss that is not finite is no result: losses and statistics NULL, never a number to fit
         losses, stats = dict.fromkeys(losses), {}
-    tps = tp.get("device/items_per_sec", tokens / wall)
+    tps = tp["device/items_per_sec"] * world if "device/items_per_sec" in tp else tokens / wall  # global tokens/s
     metrics = RunMetrics(
         status="diverged" if diverged else "ok",
         val_loss=losses["val_loss"],
@@ -212,7 +227,7 @@ def fit(run: RunConfig, cache_dir: Path | None = None) -> RunResult:
         tokens_per_s=tps,
         mfu=tp.get("device/mfu"),
         peak_flops=peak,
-        device=device_name(accelerator),
+        device=device_name(accelerator, world),
         precision=precision,
         versions=versions(),
         corpus=corpus.name,

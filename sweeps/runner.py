@@ -103,13 +103,8 @@ def run_isoflop(lab: LabConfig, preset: str, paths: SweepPaths, dry_run: bool = 
         return 0
     gpus = _worker_gpus(lab)
     load_corpus(lab.data)  # fail on a bad corpus before the database is touched; fills the cache workers read
-    con = results.connect(paths.db)  # held for the whole sweep: the one writer of this database
-    try:
-        rc = _run(lab, paths, con, sid, preset, trials, gpus)
-        results.checkpoint(con, paths.db)  # a failure at close would go unreported
-        return rc
-    finally:
-        con.close()
+    with results.writer(paths.db) as store:  # held for the whole sweep: the one writer of this database
+        return _run(lab, paths, store, sid, preset, trials, gpus)
 
 
 def _worker_gpus(lab: LabConfig) -> list[str]:
@@ -133,10 +128,11 @@ def _header(i: int, n: int, t: Trial) -> str:
     )
 
 
-def _record(con, sid: str, lab: LabConfig, t: Trial, res: RunResult, tag: str = "") -> float:
+def _record(store: results.Writer, sid: str, lab: LabConfig, t: Trial, res: RunResult, tag: str = "") -> float:
     """Store a finished run (row and curve in one transaction) and print its result line."""
     m = res.metrics
-    results.add_run(con, run_record(sid, t, lab, m), res.curve)
+    with store.session() as con:
+        results.add_run(con, run_record(sid, t, lab, m), res.curve)
     loss = "diverged (loss not finite)" if m.val_loss is None else f"{m.val_loss:.4f}"
     print(f"    {tag}val_loss={loss} ({m.wall_s:.1f}s, {m.tokens_per_s:,.0f} tok/s)", flush=True)
     return math.inf if m.val_loss is None else m.val_loss  # Optuna needs a number; the store holds NULL
@@ -151,9 +147,10 @@ def _gave_up(failed: dict[str, str], attempts: int) -> str:
     )
 
 
-def _run(lab: LabConfig, paths: SweepPaths, con, sid: str, preset: str, trials: list[Trial], gpus: list[str]) -> int:
-    results.add_sweep(con, sid, lab.sweep.name, preset, lab.sections())
-    done = results.finished_run_ids(con)
+def _run(lab: LabConfig, paths: SweepPaths, store, sid: str, preset: str, trials: list[Trial], gpus: list[str]) -> int:
+    with store.session() as con:
+        results.add_sweep(con, sid, lab.sweep.name, preset, lab.sections())
+        done = results.finished_run_ids(con)
     todo = [t for t in trials if t.run_id not in done]
     by_id = {t.run_id: t for t in trials}
     print(
@@ -166,22 +163,23 @@ def _run(lab: LabConfig, paths: SweepPaths, con, sid: str, preset: str, trials: 
         t = by_id[trial.suggest_categorical("run_id", list(by_id))]
         counter["i"] += 1
         print(_header(counter["i"], len(todo), t), flush=True)
-        return _record(con, sid, lab, t, fit(RunConfig(model=t.model, data=lab.data, train=lab.train, steps=t.steps)))
+        return _record(store, sid, lab, t, fit(RunConfig(model=t.model, data=lab.data, train=lab.train, steps=t.steps)))
 
     start = time.perf_counter()
     failed = {}
     if todo and lab.sweep.workers > 1:
-        failed = _run_pool(lab, con, sid, study, by_id, len(todo), gpus)
+        failed = _run_pool(lab, store, sid, study, by_id, len(todo), gpus)
     elif todo:
         study.optimize(objective, n_trials=len(todo), catch=())
     print(f"trained {len(todo) - len(failed)} runs in {time.perf_counter() - start:.0f}s")
     gave_up = _gave_up(failed, lab.sweep.retries + 1) if failed else ""
 
-    n_div, n_ok = con.execute(
-        "SELECT count(*) FILTER (WHERE status = 'diverged'), count(*) FILTER (WHERE status = 'ok')"
-        " FROM runs WHERE sweep_id = ?",
-        [sid],
-    ).fetchone()
+    with store.session() as con:
+        n_div, n_ok = con.execute(
+            "SELECT count(*) FILTER (WHERE status = 'diverged'), count(*) FILTER (WHERE status = 'ok')"
+            " FROM runs WHERE sweep_id = ?",
+            [sid],
+        ).fetchone()
     if n_div:
         print(f"{n_div} of {n_div + n_ok} runs diverged (a loss not finite): stored with NULL losses, not fitted")
     if not n_ok:
@@ -193,7 +191,7 @@ def _run(lab: LabConfig, paths: SweepPaths, con, sid: str, preset: str, trials: 
 
     from analysis.pipeline import run_all
 
-    written = run_all(con, sid, paths.reports / sid, n_boot=lab.sweep.bootstrap)
+    written = run_all(store, sid, paths.reports / sid, n_boot=lab.sweep.bootstrap)
     print(f"results: {paths.db}")
     for name, p in written.items():
         print(f"{name}: {p}")
@@ -204,7 +202,7 @@ def _run(lab: LabConfig, paths: SweepPaths, con, sid: str, preset: str, trials: 
 
 
 def _run_pool(
-    lab: LabConfig, con, sid: str, study: optuna.Study, by_id: dict[str, Trial], n: int, gpus: list[str]
+    lab: LabConfig, store, sid: str, study: optuna.Study, by_id: dict[str, Trial], n: int, gpus: list[str]
 ) -> dict[str, str]:
     """Train the n queued runs in sweep.workers spawned processes; only this process writes the store and journal.
 
@@ -235,7 +233,7 @@ def _run_pool(
                 rid, res, why = pool.wait()
                 i, k = index[rid], tries[rid]
                 if why is None:
-                    value = _record(con, sid, lab, by_id[rid], res, f"[{i}/{n}] ")
+                    value = _record(store, sid, lab, by_id[rid], res, f"[{i}/{n}] ")
                     study.tell(running.pop(rid), value)
                     continue
                 study.tell(running.pop(rid), state=optuna.trial.TrialState.FAIL)

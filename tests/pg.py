@@ -24,9 +24,10 @@ USER = "mixdepth"  # the role the tests connect as: a password, may create datab
 
 
 def find_bin() -> Path | None:
-    """The newest installed PostgreSQL's bin folder (Debian's layout), or None."""
-    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=lambda p: int(Path(p).parent.parent.name))
-    return Path(found[-1]).parent if found else None
+    """The newest installed PostgreSQL's bin folder in Debian's layout, else the one of ``initdb`` on PATH, or None."""
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=lambda p: _version(Path(p).parents[1].name))
+    initdb = found[-1] if found else shutil.which("initdb")
+    return Path(initdb).parent if initdb else None
 
 
 def unavailable() -> str | None:
@@ -36,6 +37,10 @@ def unavailable() -> str | None:
     if os.geteuid() == 0 and shutil.which("runuser") is None:
         return "running as root, and no runuser to start PostgreSQL as an unprivileged user"
     return None
+
+
+def _version(name: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in name.split(".") if x.isdigit())
 
 
 def _free_port() -> int:

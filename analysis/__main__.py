@@ -122,18 +122,15 @@ def _summary(fits) -> str:
 
 def _cmd_fit(args: argparse.Namespace) -> int:
     from analysis.pipeline import fit_points, store_fits
-    from analysis.store import load_points, open_db, resolve_sweep
+    from analysis.store import held, load_points, resolve_sweep, session
 
-    con = open_db(args.db, write=True)
-    try:
+    with held(args.db, write=True) as store, session(store) as con:
         sid = resolve_sweep(con, args.sweep)
         fits = fit_points(
             load_points(con, sid), sid, n_boot=args.bootstrap, parametric_boot=args.parametric_bootstrap,
             seed=args.seed,
         )  # fmt: skip
         n_rows = store_fits(con, fits)
-    finally:
-        con.close()
     print(json.dumps(fits.to_dict(), indent=2) if args.json else _summary(fits) + f"\nwrote {n_rows} fits rows")
     return 0
 

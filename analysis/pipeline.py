@@ -21,8 +21,8 @@ from analysis.errors import AnalysisError
 from analysis.isoflop import fit_isoflop
 from analysis.parametric import fit_parametric
 from analysis.records import IsoflopFit, ParametricFit, plain
-from analysis.store import fit_rows, load_points, open_db, resolve_sweep, sweep_summary
-from mixdepth.results import add_fits
+from analysis.store import fit_rows, held, load_points, resolve_sweep, session, sweep_summary
+from mixdepth.results import Writer, add_fits
 
 MIN_PARAMETRIC_POINTS = 6
 
@@ -160,7 +160,7 @@ def _figures(long: pd.DataFrame, fits: SweepFits, out: Path, notes: list[str]) -
 
 
 def run_all(
-    db: str | os.PathLike | duckdb.DuckDBPyConnection,
+    db: str | os.PathLike | Writer,
     sweep_id: str | None = None,
     out_dir: str | os.PathLike = "analysis_out",
     *,
@@ -174,8 +174,8 @@ def run_all(
     """Fit a sweep, write its ``fits`` rows, figures, ``fits.json`` and ``report.md``.
 
     Args:
-        db: store path (opened read-write when ``store``, else read-only) or an open connection
-            (use the runner's own connection: DuckDB allows one writer per file).
+        db: store path (opened read-write when ``store``, else read-only) or the ``Writer`` the caller holds
+            (the sweep runner's: one process writes a store at a time).
         sweep_id: the sweep; None takes the sweep with the newest finished run.
         out_dir: folder for the outputs (created).
         n_boot: bootstrap resamples for the isoFLOP power laws.
@@ -193,18 +193,15 @@ def run_all(
         AnalysisError: the sweep is unknown or has no finished runs.
         mixdepth.results.StoreError: the database cannot be opened.
     """
-    own = not isinstance(db, duckdb.DuckDBPyConnection)
-    con = open_db(db, write=store) if own else db
-    try:
-        sid = resolve_sweep(con, sweep_id)
-        points = load_points(con, sid)
+    with held(db, write=store) as db:  # the store is open only to read and to write, not while fitting
+        with session(db) as con:
+            sid = resolve_sweep(con, sweep_id)
+            points = load_points(con, sid)
+            summary = sweep_summary(con, sid)
         fits = fit_points(points, sid, n_boot=n_boot, parametric_boot=parametric_boot, seed=seed)
         if store:
-            store_fits(con, fits)
-        summary = sweep_summary(con, sid)
-    finally:
-        if own:
-            con.close()
+            with session(db) as con:
+                store_fits(con, fits)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths: dict[str, Path] = {"fits_json": out / "fits.json"}

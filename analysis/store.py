@@ -6,6 +6,8 @@ analysis never creates a database: a missing file is an error even for commands 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -13,7 +15,7 @@ import duckdb
 
 from analysis.errors import AnalysisError
 from analysis.records import IsoflopFit, ParametricFit
-from mixdepth.results import StoreError, connect, store_files
+from mixdepth.results import StoreError, Writer, connect, store_files, writer
 
 if TYPE_CHECKING:  # pandas is only needed once points are loaded (duckdb's .df() imports it)
     import pandas as pd
@@ -24,14 +26,44 @@ POINT_COLUMNS = (
 )  # fmt: skip
 
 
-def open_db(path: str | os.PathLike, *, write: bool = False) -> duckdb.DuckDBPyConnection:
-    """Open an existing store (read-only unless ``write``); StoreError with one line on failure."""
+def open_db(path: str | os.PathLike) -> duckdb.DuckDBPyConnection:
+    """Open an existing store read-only; StoreError with one line on failure."""
+    return connect(_existing(path), read_only=True)
+
+
+def _existing(path: str | os.PathLike) -> Path:
     p = Path(path)
     if not p.exists():
         raise StoreError(f"database {p} does not exist")
     if not p.is_file():
         raise StoreError(f"database {p} is not a file")
-    return connect(p, read_only=not write)
+    return p
+
+
+@contextmanager
+def held(db: str | os.PathLike | Writer, *, write: bool) -> Iterator[str | os.PathLike | Writer]:
+    """What ``session`` opens for the block: the caller's ``Writer`` (the sweep runner's) as it is, else the path
+    when only reading, or when ``write`` a ``Writer`` of the existing store held for the block."""
+    if write and not isinstance(db, Writer):
+        with writer(_existing(db)) as w:
+            yield w
+    else:
+        yield db
+
+
+@contextmanager
+def session(db: str | os.PathLike | Writer) -> Iterator[duckdb.DuckDBPyConnection]:
+    """A connection for one short piece of work, closed at the end: a read-write session of a ``Writer``, or the
+    store at a path opened read-only."""
+    if isinstance(db, Writer):
+        with db.session() as con:
+            yield con
+        return
+    con = open_db(db)
+    try:
+        yield con
+    finally:
+        con.close()
 
 
 def refuse_store_files(db: str | os.PathLike, outputs: list[Path]) -> None:

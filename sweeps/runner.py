@@ -143,14 +143,9 @@ def run_isoflop(
     gpus = slot_gpus(lab.train, lab.sweep.workers)
     load_corpus(lab.data)  # fail on a bad corpus before the database is touched; fills the cache workers read
     storage = _storage(lab, paths) if lab.sweep.storage else None  # a bad URL fails before the database is made
-    con = results.connect(paths.db)  # held for the whole sweep: the one writer of this database
-    try:
+    with results.writer(paths.db) as store:  # held for the whole sweep: the one writer of this database
         study = _study(lab, storage or _storage(lab, paths), meta)
-        rc = _run(lab, paths, con, study, meta, payloads, gpus)
-        results.checkpoint(con, paths.db)  # a failure at close would go unreported
-        return rc
-    finally:
-        con.close()
+        return _run(lab, paths, store, study, meta, payloads, gpus)
 
 
 def _gave_up(failed: dict[str, str], attempts: int) -> str:
@@ -162,11 +157,14 @@ def _gave_up(failed: dict[str, str], attempts: int) -> str:
     )
 
 
-def _run(lab: LabConfig, paths: SweepPaths, con, study: optuna.Study, meta: dict, payloads: list[dict], gpus) -> int:
+def _run(
+    lab: LabConfig, paths: SweepPaths, store: results.Writer, study: optuna.Study, meta: dict, payloads: list, gpus
+) -> int:
     sid = meta["sweep_id"]
-    results.add_sweep(con, sid, lab.sweep.name, meta["preset"], meta["config"])
-    collect_study(con, study, meta)  # runs the storage holds but the database lacks: another host's, a failed write
-    done = results.finished_run_ids(con)
+    with store.session() as con:
+        results.add_sweep(con, sid, lab.sweep.name, meta["preset"], meta["config"])
+        collect_study(con, study, meta)  # runs the storage holds but the database lacks: another host's, a failed write
+        done = results.finished_run_ids(con)
     todo = [p for p in payloads if p["row"]["run_id"] not in done]
     print(
         f"sweep {sid}: {len(payloads)} runs planned, {len(payloads) - len(todo)} already in {paths.db},"
@@ -174,8 +172,9 @@ def _run(lab: LabConfig, paths: SweepPaths, con, study: optuna.Study, meta: dict
     )
     queue.enqueue(study, todo)
 
-    def store(_study, row: dict, res) -> None:
-        results.add_run(con, {**row, **asdict(res.metrics)}, res.curve)
+    def add(_study, row: dict, res) -> None:
+        with store.session() as con:
+            results.add_run(con, {**row, **asdict(res.metrics)}, res.curve)
 
     workers = lab.sweep.workers
     host = {}
@@ -189,18 +188,20 @@ def _run(lab: LabConfig, paths: SweepPaths, con, study: optuna.Study, meta: dict
         train=host,
         ckpt_root=paths.checkpoints,
         retries=lab.sweep.retries,
-        on_done=store,
+        on_done=add,
         inline=workers == 1,
     ).run()
-    collect_study(con, study, meta)  # what other hosts finished meanwhile
+    with store.session() as con:
+        collect_study(con, study, meta)  # what other hosts finished meanwhile
     print(f"trained {len(todo) - len(failed)} runs in {time.perf_counter() - start:.0f}s")
     gave_up = _gave_up(failed, lab.sweep.retries + 1) if failed else ""
 
-    n_div, n_ok = con.execute(
-        "SELECT count(*) FILTER (WHERE status = 'diverged'), count(*) FILTER (WHERE status = 'ok')"
-        " FROM runs WHERE sweep_id = ?",
-        [sid],
-    ).fetchone()
+    with store.session() as con:
+        n_div, n_ok = con.execute(
+            "SELECT count(*) FILTER (WHERE status = 'diverged'), count(*) FILTER (WHERE status = 'ok')"
+            " FROM runs WHERE sweep_id = ?",
+            [sid],
+        ).fetchone()
     if n_div:
         print(f"{n_div} of {n_div + n_ok} runs diverged (a loss not finite): stored with NULL losses, not fitted")
     if not n_ok:
@@ -212,7 +213,7 @@ def _run(lab: LabConfig, paths: SweepPaths, con, study: optuna.Study, meta: dict
 
     from analysis.pipeline import run_all
 
-    written = run_all(con, sid, paths.reports / sid, n_boot=lab.sweep.bootstrap)
+    written = run_all(store, sid, paths.reports / sid, n_boot=lab.sweep.bootstrap)
     print(f"results: {paths.db}")
     for name, p in written.items():
         print(f"{name}: {p}")

@@ -106,11 +106,8 @@ def collect(where: str, paths: SweepPaths, sweep: str | None) -> None:
         raise queue.StorageError(f"--storage {where} is not a database URL")
     storage = _storage(paths, where)
     chosen = selected(storage, where, sweep)
-    con = results.connect(paths.db)
-    try:
+    with results.writer(paths.db) as store:
         for name, meta in chosen.items():
-            added = collect_study(con, queue.load(storage, name), meta)
+            with store.session() as con:
+                added = collect_study(con, queue.load(storage, name), meta)
             print(f"sweep {name}: {added} runs added to {paths.db}")
-        results.checkpoint(con, paths.db)
-    finally:
-        con.close()

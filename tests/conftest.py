@@ -74,3 +74,20 @@ def cli(tmp_path, cli_env):
         )
 
     return run
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A throwaway PostgreSQL server for the session (``tests/pg.py``): ``postgres.new_db()`` is the URL of a fresh
+    database for one test. Where it cannot run, the test fails in CI (``CI`` set) and is skipped elsewhere."""
+    from tests.pg import Postgres, unavailable
+
+    if why := unavailable():
+        if os.environ.get("CI"):
+            pytest.fail(f"{why}: CI runs the PostgreSQL tests", pytrace=False)
+        pytest.skip(why)
+    pg = Postgres()
+    try:
+        yield pg.start()
+    finally:
+        pg.stop()

@@ -10,7 +10,7 @@ from analysis import AnalysisError
 from analysis.pipeline import run_all
 from analysis.plots import normalize_to_dense, plot_mod_normalized
 from analysis.synthetic import TRUTH, fake_runs
-from mixdepth.results import add_run, add_sweep, connect
+from mixdepth.results import add_run, add_sweep, connect, writer
 
 
 def make_store(path, rows, sweep_id="s1"):
@@ -74,11 +74,12 @@ def test_run_all_unknown_sweep_and_empty_store(tmp_path):
         run_all(empty, None, tmp_path / "out", store=False)
 
 
-def test_run_all_with_one_budget_uses_open_connection(tmp_path):
+def test_run_all_with_one_budget_uses_the_callers_writer(tmp_path):
     db = tmp_path / "results.db"
     make_store(db, fake_runs("s1", "dense", budgets=(1e15,), sizes_per_budget=4))
-    con = connect(db)  # the sweep runner's own writer connection
-    paths = run_all(con, "s1", tmp_path / "out", n_boot=5, parametric_boot=0)
+    with writer(db) as w:  # the sweep runner's own Writer
+        paths = run_all(w, "s1", tmp_path / "out", n_boot=5, parametric_boot=0)
+    con = connect(db, read_only=True)
     methods = sorted(r[0] for r in con.execute("SELECT method FROM fits").fetchall())
     con.close()
     assert methods == ["isoflop", "parabola"]  # 4 runs: parabola, no power law, no parametric fit

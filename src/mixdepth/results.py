@@ -1,17 +1,23 @@
 """DuckDB store for sweeps, runs, curves and fits (torch-free).
 
-One process writes a database file at a time: DuckDB takes a file lock for a read-write connection, and a
-second writer gets a one-line ``StoreError``. Every run is written in one transaction (its row and its
-curve together), so an interrupted or failed write leaves no partial rows.
+One process writes a database file at a time: it holds a ``Writer`` (an ``flock`` on ``<db>.lock`` beside it)
+for as long as it writes, a second writer gets a one-line ``StoreError``, and the DuckDB file itself is open
+only for each short write (``Writer.session``), so readers (``sweeps status``, ``analysis query``) can open it
+between writes; a reader or writer that finds DuckDB's own file lock held waits it out for ``LOCK_WAIT_S``.
+Every run is written in one transaction (its row and its curve together), so an interrupted or failed write
+leaves no partial rows.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
+import fcntl
 import io
 import json
 import os
 import re
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -21,6 +27,7 @@ from typing import Annotated, Any, get_args, get_type_hints
 import duckdb
 
 SCHEMA_VERSION = 1
+LOCK_WAIT_S = 10.0  # how long an open waits out another process's DuckDB file lock
 
 # Column types: each record field's annotation names its DuckDB type (NULL allowed where it says `| None`).
 Key = Annotated[str, "VARCHAR PRIMARY KEY"]
@@ -224,27 +231,18 @@ def _first_line(e: BaseException) -> str:
 
 
 def connect(path: str | os.PathLike, read_only: bool = False) -> duckdb.DuckDBPyConnection:
-    """Open (and on write, create and migrate) the store, raising StoreError with one line on failure."""
+    """Open (and on write, create and migrate) the store, raising StoreError with one line on failure.
+
+    A file another process has open read-write (or, for a write, open at all) is waited for up to
+    ``LOCK_WAIT_S``: its holder's writes and reads are short. A process that writes for longer than one
+    connection holds a ``Writer`` instead.
+    """
     p = Path(path)
     if read_only and not p.exists():
         raise StoreError(f"database {p} does not exist")
     if not read_only:
-        parent = p.parent if str(p.parent) else Path(".")
-        if not parent.is_dir():
-            raise StoreError(f"cannot create database {p}: folder {parent} does not exist")
-        if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
-            raise StoreError(f"cannot write database {p}: permission denied")
-    try:
-        con = duckdb.connect(str(p), read_only=read_only)
-    except duckdb.IOException as e:
-        msg = str(e)
-        if "lock" in msg.lower():
-            raise StoreError(f"database {p} is in use by another process (one writer at a time)") from None
-        if "not a valid DuckDB database" in msg or "Corrupt" in msg or "invalid" in msg.lower():
-            raise StoreError(f"database {p} is not a valid DuckDB file (corrupt or another format)") from None
-        raise StoreError(f"cannot open database {p}: {_first_line(e)}") from None
-    except duckdb.Error as e:
-        raise StoreError(f"cannot open database {p}: {_first_line(e)}") from None
+        _check_writable(p)
+    con = _open(p, read_only)
     if not read_only:
         try:
             _check_store(con, p)
@@ -263,6 +261,116 @@ def connect(path: str | os.PathLike, read_only: bool = False) -> duckdb.DuckDBPy
                 raise StoreError(f"cannot write database {p}: {fault}") from None
             raise StoreError(f"database {p} has an incompatible schema: {_first_line(e)}") from None
     return con
+
+
+def _in_use(p: Path) -> StoreError:
+    return StoreError(f"database {p} is in use by another process (one writer at a time)")
+
+
+def _check_writable(p: Path) -> None:
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise StoreError(f"cannot create database {p}: folder {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise StoreError(f"cannot write database {p}: permission denied")
+
+
+def _open(p: Path, read_only: bool) -> duckdb.DuckDBPyConnection:
+    """``duckdb.connect``, waiting out a held file lock for up to LOCK_WAIT_S; one-line StoreError on failure."""
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        try:
+            return duckdb.connect(str(p), read_only=read_only)
+        except duckdb.IOException as e:
+            msg = str(e)
+            if "lock" in msg.lower():
+                if time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    continue
+                raise _in_use(p) from None
+            if "not a valid DuckDB database" in msg or "Corrupt" in msg or "invalid" in msg.lower():
+                raise StoreError(f"database {p} is not a valid DuckDB file (corrupt or another format)") from None
+            raise StoreError(f"cannot open database {p}: {_first_line(e)}") from None
+        except duckdb.Error as e:
+            raise StoreError(f"cannot open database {p}: {_first_line(e)}") from None
+
+
+class Writer:
+    """The right to write one store, held from ``writer(db)`` to the end of its ``with`` block.
+
+    Attributes:
+        db: the database file.
+    """
+
+    def __init__(self, db: Path) -> None:
+        self.db = db
+
+    @contextmanager
+    def session(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        """A read-write connection for one short piece of work, checkpointed (nothing left only in the WAL) and
+        closed at the end; on an error it is closed unchecked, and the error goes on."""
+        con = _open(self.db, read_only=False)
+        try:
+            yield con
+            checkpoint(con, self.db)
+        finally:
+            con.close()
+
+
+def lock_path(db: Path) -> Path:
+    """The lock file a ``Writer`` of ``db`` holds; it exists only while one does."""
+    return Path(f"{db}.lock")
+
+
+@contextmanager
+def writer(db: str | os.PathLike) -> Iterator[Writer]:
+    """Hold the right to write the store ``db`` (created and migrated here, as ``connect`` does) until the block
+    ends; StoreError with one line when another process holds it, or the store cannot be written.
+
+    The lock is an ``flock`` on ``<db>.lock``, not DuckDB's own file lock, so the database is free for readers
+    between the writer's sessions; the kernel drops it when the process dies, however it dies.
+    """
+    p = Path(db)
+    _check_writable(p)
+    fd = _lock(p)
+    try:
+        con = connect(p)  # refuse a foreign or newer store, and migrate, before the caller's first write
+        try:
+            checkpoint(con, p)
+        finally:
+            con.close()
+        yield Writer(p)
+    finally:
+        try:
+            lock_path(p).unlink()  # while still held: a process that opened the old file fails or retries (_lock)
+        except OSError:  # a folder that turned read-only: a lock file left behind is free once closed
+            pass
+        os.close(fd)
+
+
+def _lock(p: Path) -> int:
+    """The open, ``flock``-ed lock file of ``p``: StoreError when another process holds it. A file its holder
+    unlinked after we opened it is no lock any more: open the one now at the path instead."""
+    path = lock_path(p)
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise StoreError(f"cannot write database {p}: {path}: {os.strerror(e.errno)}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise _in_use(p) from None
+            raise StoreError(f"cannot lock database {p}: {path}: {os.strerror(e.errno)}") from None
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd
+        os.close(fd)
 
 
 def _check_store(con: duckdb.DuckDBPyConnection, p: Path) -> None:

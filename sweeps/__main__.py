@@ -60,7 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from mixdepth.results import StoreError, io_fault
-    from sweeps.queue import StorageError
+    from sweeps.queue import StorageError, storage_fault
+
+    def fault(e: Exception) -> str | None:  # a filesystem or storage fault behind e, as one line
+        return io_fault(e) or storage_fault(e, getattr(args, "storage", None) or "")
 
     if args.cmd in ("status", "collect"):  # torch-free: the store and the Optuna storage only
         from sweeps.status import collect, status_table
@@ -75,9 +78,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 1
         except Exception as e:
-            if (fault := io_fault(e)) is None:
+            if (why := fault(e)) is None:
                 raise
-            print(f"error: {fault}", file=sys.stderr)
+            print(f"error: {why}", file=sys.stderr)
             return 1
 
     from mixdepth.config import ConfigError, DataError
@@ -104,12 +107,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("interrupted: finished runs are in the database; rerun the same command to resume", file=sys.stderr)
+        if args.cmd == "worker":
+            print("interrupted: finished runs are in the storage, unfinished ones queued again", file=sys.stderr)
+        else:
+            print("interrupted: finished runs are in the database; rerun the same command to resume", file=sys.stderr)
         return 130
-    except Exception as e:  # a write the sweep makes failed: the journal, the database, the report, ...
-        if (fault := io_fault(e)) is None:
+    except Exception as e:  # a write the sweep makes failed: the journal, the database, the storage, the report
+        if (why := fault(e)) is None:
             raise  # a bug: keep its traceback
-        print(f"error: {fault}; finished runs are in the database, rerun once that is fixed", file=sys.stderr)
+        kept = "the storage" if args.cmd == "worker" else "the database"
+        print(f"error: {why}; finished runs are in {kept}, rerun once that is fixed", file=sys.stderr)
         return 1
 
 

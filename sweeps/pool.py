@@ -168,3 +168,34 @@ class Inline:
 
         (key, run), self._job = self._job, None
         return key, fit(run), None
+
+
+class Ranks(Inline):
+    """``Inline`` on global rank 0 of a launch with several ranks (``srun``, ``torchrun``): each run is handed to
+    the other ranks (``follow``) through the launch's TCP store before rank 0 trains it, so every rank calls
+    ``train.fit`` for the same run in the same order; leaving the block tells them no run is left."""
+
+    def __init__(self, store) -> None:
+        super().__init__()
+        self._store, self._k = store, 0
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        super().__exit__(exc_type, exc, tb)
+        self._store.set(f"run{self._k}", b"")
+
+    def submit(self, key: Any, run: Any) -> None:
+        super().submit(key, run)
+        self._store.set(f"run{self._k}", pickle.dumps(run))
+        self._k += 1
+
+
+def follow(store) -> int:
+    """A rank other than 0 of a ``Ranks`` launch: train each run rank 0 hands over until it says none is left;
+    returns how many."""
+    from mixdepth.train import fit
+
+    k = 0
+    while data := store.get(f"run{k}"):
+        fit(pickle.loads(data))
+        k += 1
+    return k

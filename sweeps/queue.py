@@ -65,7 +65,8 @@ def _retry_callback(retries: int) -> dict[str, Any]:
     return {"failed_trial_callback": storages.RetryFailedTrialCallback(max_retry=retries)}
 
 
-def _rdb_error(url: str, e: Exception) -> StorageError:
+def _rdb_error(url: str, e: BaseException) -> StorageError:
+    e = e.__cause__ or e if isinstance(e, optuna.exceptions.StorageInternalError) else e  # Optuna wraps the driver's
     text = str(getattr(e, "orig", None) or e).strip().splitlines()
     why = text[0] if text else type(e).__name__
     if (password := _password(url)) and password in why:  # a driver may echo its connection string
@@ -80,6 +81,16 @@ def _password(url: str) -> str | None:
         return make_url(url).password
     except Exception:
         return None
+
+
+def storage_fault(e: BaseException, where: str) -> str | None:
+    """The one line for an RDB storage that failed while a command ran (server gone, connection lost), or None
+    when ``e`` is no storage fault."""
+    import sqlalchemy.exc
+
+    if isinstance(e, (sqlalchemy.exc.OperationalError, optuna.exceptions.StorageInternalError)):
+        return str(_rdb_error(where, e)).replace("cannot open storage", "storage", 1)
+    return None
 
 
 def open_storage(
@@ -121,7 +132,7 @@ def open_storage(
         raise StorageError(
             f"storage {redact(where)} needs {e.name or 'a driver'}: pip install 'mixdepth[postgres]'"
         ) from None
-    except sqlalchemy.exc.SQLAlchemyError as e:
+    except (sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError) as e:
         raise _rdb_error(url, e) from None
 
 
@@ -217,6 +228,22 @@ def fail(trial: optuna.Trial) -> None:
     trial.study.tell(trial, state=TrialState.FAIL)
 
 
+def interrupted(study: optuna.Study, trial: optuna.Trial) -> None:
+    """End a trial whose process was stopped (Ctrl-C, SIGTERM, a fault elsewhere) and queue its run again; no
+    failed attempt of the run. Quiet when the storage itself is what failed: the error that stopped us goes on."""
+    try:
+        trial.set_user_attr("interrupted", True)
+        fail(trial)
+        requeue(study, trial)
+    except Exception:
+        pass
+
+
+def attempt_failed(t: optuna.trial.FrozenTrial) -> bool:
+    """Whether a FAIL trial was an attempt of its run that failed (it started, and was not interrupted)."""
+    return t.datetime_start is not None and not t.user_attrs.get("interrupted", False)
+
+
 def finished(study: optuna.Study) -> dict[str, tuple[dict, list[dict]]]:
     """run_id -> (row, curve) of every finished run in the study: one per run_id whatever the number of
     attempts (a run that finished twice, e.g. after a worker was thought dead, keeps its first result)."""
@@ -251,5 +278,5 @@ def counts(study: optuna.Study, meta: dict) -> Counts:
         queued=len(by(TrialState.WAITING)),
         running=running,
         finished=len({run_id(t) for t in by(TrialState.COMPLETE)}),
-        failed=sum(t.datetime_start is not None for t in by(TrialState.FAIL)),
+        failed=sum(attempt_failed(t) for t in by(TrialState.FAIL)),
     )

@@ -14,6 +14,7 @@ from optuna.trial import TrialState
 from mixdepth import results
 from mixdepth.config import ConfigError, LabConfig
 from mixdepth.data import load_corpus
+from mixdepth.launch import check_devices
 from mixdepth.train import RunConfig
 from sweeps import queue
 from sweeps.collect import collect_study
@@ -131,7 +132,7 @@ def run_isoflop(
         queue.encode_run(RunConfig(model=t.model, data=lab.data, train=lab.train, steps=t.steps), plan_row(sid, t, lab))
         for t in trials
     ]
-    if enqueue_only:
+    if enqueue_only:  # the workers' hosts check their devices
         if not lab.sweep.storage:
             raise ConfigError("--enqueue-only queues runs for workers on other hosts: set sweep.storage to a URL")
         study = _study(lab, _storage(lab, paths), meta)
@@ -140,6 +141,7 @@ def run_isoflop(
         print(f"sweep {sid}: {len(trials)} runs planned, {k} queued in {where}")
         print(f"train them on any host: python -m sweeps worker --storage {where} --sweep {sid}")
         return 0
+    check_devices(lab.train)  # more devices than this host has, a launcher's other world size: before any write
     gpus = slot_gpus(lab.train, lab.sweep.workers)
     load_corpus(lab.data)  # fail on a bad corpus before the database is touched; fills the cache workers read
     storage = _storage(lab, paths) if lab.sweep.storage else None  # a bad URL fails before the database is made

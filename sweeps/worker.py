@@ -24,9 +24,9 @@ import torch
 from optuna.trial import TrialState
 
 from mixdepth.config import ConfigError, TrainConfig
-from mixdepth.train import resolve_device
+from mixdepth.launch import check_devices, cluster, resolve_device
 from sweeps import queue
-from sweeps.pool import Inline, Pool
+from sweeps.pool import Inline, Pool, Ranks, follow
 
 IDLE_POLL_S = 2.0  # how often an idle worker looks for runs other hosts may hand back
 
@@ -73,6 +73,8 @@ class Drain:
         on_done: called with (study, row, RunResult) once the storage holds a finished run (the local sweep
             stores it in its database); then the run's checkpoints are dropped (or its last one kept).
         inline: train in this process (one slot): exceptions propagate as they would without a queue.
+        ranks: the TCP store of a launch with several ranks (srun, torchrun) when this is its rank 0: each run
+            is trained in this process together with the other ranks (``pool.Ranks``).
     """
 
     studies: list[optuna.Study]
@@ -83,6 +85,7 @@ class Drain:
     retries: int = 1
     on_done: Callable[[optuna.Study, dict, Any], None] | None = None
     inline: bool = False
+    ranks: Any = None
 
     def run(self) -> dict[str, str]:
         """Train until no run of the studies is queued or running anywhere; returns the runs given up on here:
@@ -96,7 +99,8 @@ class Drain:
             beat = _Heartbeat(min(beats), running)
             beat.start()
         try:
-            with Inline() if self.inline else Pool(self.slots, self.gpus) as pool:
+            pool = Ranks(self.ranks) if self.ranks else Inline() if self.inline else Pool(self.slots, self.gpus)
+            with pool:
                 try:
                     while True:
                         while pool.free and (got := self._next()):
@@ -117,9 +121,9 @@ class Drain:
                         ended = pool.wait(IDLE_POLL_S if beat else None)
                         if ended is not None:
                             self._ended(*ended, running, index, n, failed)
-                except BaseException:  # Ctrl-C or a store error: unfinished runs leave no row and fail in the queue
-                    for _, trial, _ in running.values():
-                        queue.fail(trial)
+                except BaseException:  # Ctrl-C, SIGTERM, a store error: unfinished runs leave no row, queued again
+                    for study, trial, _ in running.values():
+                        queue.interrupted(study, trial)
                     raise
         finally:
             if beat:
@@ -221,7 +225,21 @@ def serve(where: str, sweep: str | None, workers: int, overrides: list[str]) -> 
         studies.append(queue.load(storage, name))
     first = next(iter(chosen.values()))["config"]
     train = TrainConfig(**{**first["train"], **host})
-    if workers == 0:
+    check_devices(train)
+    if (c := cluster()).external and c.world_size > 1:  # one run over every rank of this launch
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+
+        # the port beside the one the run's process group meets on; runs may wait long for each other
+        store = TCPStore(c.main_address, c.main_port + 1, c.world_size, c.global_rank == 0, timedelta(days=7))
+        if c.global_rank != 0:
+            follow(store)
+            return 0
+        workers, ranks = 1, store
+    else:
+        ranks = None
+    if workers == 0 and ranks is None:
         gpu = train.accelerator != "cpu" and torch.cuda.is_available()
         workers = max(1, torch.cuda.device_count() // train.devices) if gpu else 1
     gpus = slot_gpus(train, workers)
@@ -233,7 +251,13 @@ def serve(where: str, sweep: str | None, workers: int, overrides: list[str]) -> 
     retries = max(m["config"]["sweep"]["retries"] for m in chosen.values())
     start = time.perf_counter()
     failed = Drain(
-        studies=studies, slots=workers, gpus=gpus, train=host, ckpt_root=Path("checkpoints").absolute(), retries=retries
+        studies=studies,
+        slots=workers,
+        gpus=gpus,
+        train=host,
+        ckpt_root=Path("checkpoints").absolute(),
+        retries=retries,
+        ranks=ranks,
     ).run()
     print(f"no runs left: done in {time.perf_counter() - start:.0f}s")
     if failed:

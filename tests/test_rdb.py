@@ -55,10 +55,11 @@ def _trials(url: str) -> list[tuple[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, cli, val_losses):
+def reference(tmp_path_factory, cli_env, val_losses):
     """The sweep of ARGS on one host (the journal beside its database): what every distributed run must equal."""
     db = tmp_path_factory.mktemp("reference") / "ref.db"
-    r = cli("sweeps", "isoflop", "--db", str(db), *ARGS)
+    cmd = [sys.executable, "-m", "sweeps", "isoflop", "--db", str(db), *ARGS]
+    r = subprocess.run(cmd, cwd=db.parent, capture_output=True, text=True, timeout=600, env=cli_env)
     assert r.returncode == 0, r.stderr[-2000:]
     losses = val_losses(db)
     assert len(losses) == 3 and all(v is not None for v in losses.values())
@@ -75,11 +76,12 @@ def test_three_workers_train_every_run_once(tmp_path, postgres, cli, cli_env, re
 
     workers = [_worker(tmp_path, url, cli_env, f"w{i}") for i in range(3)]
     seen_running = False
-    while any(w.poll() is None for w in workers):
+    while not seen_running and any(w.poll() is None for w in workers):  # status reads the storage meanwhile
         st = cli("sweeps", "status", "--storage", url, "--db", str(tmp_path / "none.db"))
         assert st.returncode == 0, st.stderr[-2000:]
-        seen_running |= "running sweep" in st.stdout and f"{os.uname().nodename}:" in st.stdout
-        time.sleep(0.5)
+        seen_running = "running sweep" in st.stdout and f"{os.uname().nodename}:" in st.stdout
+    for w in workers:
+        w.wait(300)
     logs = [(tmp_path / f"w{i}.log").read_text() for i in range(3)]
     assert [w.returncode for w in workers] == [0, 0, 0], logs
     assert seen_running, "status never showed a running run with its host"
@@ -92,7 +94,7 @@ def test_three_workers_train_every_run_once(tmp_path, postgres, cli, cli_env, re
     assert first.returncode == 0 and "3 runs added" in first.stdout, first.stderr[-2000:]
     assert second.returncode == 0 and "0 runs added" in second.stdout, second.stderr[-2000:]
     assert val_losses(db) == reference  # bit-identical to one host's sweep, one row per grid point
-    report = cli("analysis", "report", "--db", str(db))
+    report = cli("analysis", "report", "--db", str(db), "--out", str(tmp_path / "report"))
     assert report.returncode == 0, report.stderr[-2000:]
 
     secret = postgres.password

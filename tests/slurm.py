@@ -24,13 +24,17 @@ NODES = ("n1", "n2")
 CPUS_PER_NODE = 2
 # Job states after which a job never runs again unless requeued (squeue's and scontrol's names).
 DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+# Debian puts the daemons in /usr/sbin, which a non-root user's PATH often lacks.
+PATH = os.pathsep.join([os.environ.get("PATH", os.defpath), "/usr/sbin", "/sbin"])
 PROGRAMS = ("slurmctld", "slurmd", "srun", "sbatch", "squeue", "scontrol", "sinfo", "scancel")
 
 
 def missing() -> str | None:
     """Why no cluster can start here (a SLURM program not on PATH), or None."""
-    absent = [p for p in PROGRAMS if shutil.which(p) is None]
-    return f"SLURM is not installed (no {', '.join(absent)}; apt-get install slurm-wlm)" if absent else None
+    absent = [p for p in PROGRAMS if shutil.which(p, path=PATH) is None]
+    if absent:
+        return f"SLURM is not installed (no {', '.join(absent)}; apt-get install slurmctld slurmd slurm-client)"
+    return None
 
 
 def _free_ports(n: int) -> list[int]:
@@ -176,20 +180,31 @@ def _ours(conf: str) -> list[int]:
 
 
 def _stop(cluster: SlurmCluster) -> None:
-    conf = cluster.env["SLURM_CONF"]
-    cluster.run(["scancel", "--user", getpass.getuser()], check=False, timeout=10)
+    """Cancel every job, stop the daemons, then kill whatever still carries this cluster's SLURM_CONF."""
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        cluster.run(["scancel", "--user", getpass.getuser()], check=False, timeout=10)
+        # slurmd waits for its running steps before it obeys SIGTERM: let the cancel land first.
+        deadline = time.monotonic() + 10
+        while cluster.run(["squeue", "-h"], check=False, timeout=10).stdout.strip() and time.monotonic() < deadline:
+            time.sleep(0.1)
     for p in cluster.procs:
         p.terminate()
     for p in cluster.procs:
         try:
-            p.wait(timeout=10)
+            p.wait(timeout=5)
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
-    # slurmstepd detaches from slurmd: jobs still running after scancel's grace are killed here.
-    for pid in _ours(conf):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    # slurmstepd detaches from slurmd, and a step's processes may outlive their cancel: kill them by environment.
+    conf = cluster.env["SLURM_CONF"]
+    deadline = time.monotonic() + 5
+    while (pids := _ours(conf)) and time.monotonic() < deadline:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.1)
+    if pids:
+        raise RuntimeError(f"SLURM processes left after the cluster stopped: {pids}")
 
 
 @contextlib.contextmanager
@@ -206,7 +221,7 @@ def slurm_cluster(root: Path, start_timeout: float = 30) -> Iterator[SlurmCluste
         (root / d).mkdir(parents=True, exist_ok=True)
     conf = root / "slurm.conf"
     conf.write_text(_conf(root, _free_ports(1 + len(NODES))))
-    env = {**os.environ, "SLURM_CONF": str(conf), "MASTER_ADDR": "127.0.0.1"}
+    env = {**os.environ, "PATH": PATH, "SLURM_CONF": str(conf), "MASTER_ADDR": "127.0.0.1"}
     for k in [k for k in env if k.startswith(("SLURM_", "SBATCH_", "SRUN_")) and k != "SLURM_CONF"]:
         del env[k]  # a test run inside a SLURM job must not leak the outer job's settings into this cluster
     cmds = [["slurmctld", "-D"], *(["slurmd", "-D", "-N", n] for n in NODES)]

@@ -83,6 +83,8 @@ def slurm(tmp_path_factory):
     from tests.slurm import missing, slurm_cluster
 
     if why := missing():
-        pytest.fail(why) if os.environ.get("CI") == "true" else pytest.skip(why)
+        if os.environ.get("CI") == "true":
+            pytest.fail(why)
+        pytest.skip(why)
     with slurm_cluster(tmp_path_factory.mktemp("slurm")) as cluster:
         yield cluster

@@ -102,7 +102,9 @@ class SlurmCluster:
     env: dict[str, str]
     procs: list[subprocess.Popen]
 
-    def run(self, args: Sequence[str], *, cwd: Path | None = None, timeout: float = 120, check: bool = True):
+    def run(
+        self, args: Sequence[str], *, cwd: Path | None = None, timeout: float = 120, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
         """Run a client command (``srun``, ``sbatch``, ``squeue``...) against this cluster; CompletedProcess.
 
         Raises:
@@ -135,7 +137,7 @@ class SlurmCluster:
         A requeued job is pending again and is waited for: SLURM holds it back 120 s, ``start_now`` ends that.
 
         Raises:
-            TimeoutError: some job still pending or running after ``timeout`` s (with squeue and the logs).
+            TimeoutError: some job still pending or running after ``timeout`` s (with the states and the logs).
         """
         deadline = time.monotonic() + timeout
         while True:

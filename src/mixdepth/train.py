@@ -105,6 +105,8 @@ def _quiet() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
     for msg in ("does not have many workers", "no `val_dataloader`", "LeafSpec", "sync_dist", "FLOPs not found"):
         warnings.filterwarnings("ignore", message=f".*{msg}.*")
+    # On any host with SLURM's clients installed, for every run started without srun (the one-host path's way).
+    warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
 
 
 def resolve_device(t: TrainConfig) -> tuple[str, str]:

@@ -91,3 +91,17 @@ def postgres():
         yield pg.start()
     finally:
         pg.stop()
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory):
+    """A real SLURM cluster of two nodes on this host (tests/slurm.py); skipped where SLURM is not installed,
+    except in CI, which installs it."""
+    from tests.slurm import missing, slurm_cluster
+
+    if why := missing():
+        if os.environ.get("CI") == "true":
+            pytest.fail(why)
+        pytest.skip(why)
+    with slurm_cluster(tmp_path_factory.mktemp("slurm")) as cluster:
+        yield cluster

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import duckdb
 import optuna
 import pytest
 
@@ -165,7 +166,7 @@ def test_bad_input_writes_nothing(case, tmp_path, postgres, cli):
     """One line naming the problem, a non-zero exit, no database made and nothing in the storage."""
     url = postgres.new_db()
     db = tmp_path / "results.db"
-    port = postgres.url("x").rsplit(":", 1)[1].split("/")[0]
+    port = str(postgres.port)
     wrong = {
         "unreachable host": url.replace(f":{port}/", ":1/"),
         "wrong password": url.replace(postgres.password, "not-the-password"),
@@ -206,3 +207,47 @@ def test_bad_input_writes_nothing(case, tmp_path, postgres, cli):
         assert _trials(url) == before
     else:
         assert queue.sweeps_in(queue.open_storage(url, create=False)) == {}
+
+
+# README's recipes on a real SLURM cluster (tests/slurm.py: two slurmd nodes on this host) and PostgreSQL.
+
+
+def test_sbatch_job_array_of_workers(tmp_path, postgres, slurm, cli, reference, val_losses):
+    url = postgres.new_db()
+    assert cli("sweeps", "isoflop", "--enqueue-only", f"sweep.storage={url}", *ARGS).returncode == 0
+    worker = f"{sys.executable} -m sweeps worker --storage {url}"
+    job = slurm.sbatch("--array=0-1", "-J", "workers", "-o", "worker-%a.out", "--wrap", worker, cwd=tmp_path)
+    states = slurm.wait_jobs(job, timeout=600)
+    logs = [p.read_text() for p in sorted(tmp_path.glob("worker-*.out"))]
+    assert set(states.values()) == {"COMPLETED"}, logs
+    assert sum(log.count("val_loss=") for log in logs) == 3, logs
+    db = tmp_path / "results.db"
+    assert cli("sweeps", "collect", "--storage", url, "--db", str(db)).returncode == 0
+    assert val_losses(db) == reference
+
+
+# Two ranks differ from one process only in fp32 summation order (the gradient all-reduce adds two half-batch
+# means, tests/test_ddp.py): a few units of roundoff (u = 6e-8) per step, carried into the weights by Adam's
+# normalised update and adding up at most linearly over these runs' <= 65 steps: 65 x 3u = 1.2e-5. A real fault
+# (ranks drawing the same windows, an unreduced loss) moves losses by 1e-2 or more.
+REL = 5e-5
+
+
+def test_one_run_across_two_nodes(tmp_path, postgres, slurm, cli, reference, val_losses):
+    """``srun -N 2 python -m sweeps worker ... train.num_nodes=2``: rank 0 takes each run from the storage and both
+    nodes train it together (DDP over gloo), to the one-process losses."""
+    url = postgres.new_db()
+    assert cli("sweeps", "isoflop", "--enqueue-only", f"sweep.storage={url}", *ARGS).returncode == 0
+    cmd = ["srun", "-J", "multinode", "-N", "2", "--ntasks-per-node", "1"]
+    out = slurm.run(
+        [*cmd, sys.executable, "-m", "sweeps", "worker", "--storage", url, "train.num_nodes=2"], timeout=600
+    )
+    assert out.stdout.count("val_loss=") == 3, out.stdout + out.stderr  # printed by rank 0 only
+    db = tmp_path / "results.db"
+    assert cli("sweeps", "collect", "--storage", url, "--db", str(db)).returncode == 0
+    got = val_losses(db)
+    assert got.keys() == reference.keys()
+    assert all(got[k] == pytest.approx(v, rel=REL) for k, v in reference.items()), (got, reference)
+    with duckdb.connect(str(db), read_only=True) as con:  # every run was trained on both ranks
+        devices = [r[0] for r in con.execute("SELECT device FROM runs").fetchall()]
+    assert len(devices) == 3 and all(d.endswith("(2 ranks)") for d in devices), devices

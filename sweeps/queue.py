@@ -132,6 +132,8 @@ def open_storage(
         raise StorageError(
             f"storage {redact(where)} needs {e.name or 'a driver'}: pip install 'mixdepth[postgres]'"
         ) from None
+    except sqlalchemy.exc.ProgrammingError:  # skip_table_creation on a database without Optuna's tables
+        raise StorageError(f"storage {redact(where)} holds no mixdepth sweeps (no Optuna tables)") from None
     except (sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError) as e:
         raise _rdb_error(url, e) from None
 

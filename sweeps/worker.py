@@ -10,6 +10,7 @@ after the grace period by whichever worker looks next, and Optuna's retry callba
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 import threading
@@ -100,6 +101,11 @@ class Drain:
             beat.start()
         try:
             pool = Ranks(self.ranks) if self.ranks else Inline() if self.inline else Pool(self.slots, self.gpus)
+            if isinstance(pool, Pool) and hasattr(signal, "SIGUSR1"):
+                # SLURM's --signal=USR1 reaches every process of the step: the training processes save and requeue
+                # (Lightning), this one must survive it (the default kills). A Python handler, not SIG_IGN: the
+                # spawned processes start with the default, where Lightning installs its own.
+                signal.signal(signal.SIGUSR1, lambda signum, frame: None)
             with pool:
                 try:
                     while True:

@@ -126,8 +126,9 @@ def test_status_lists_the_sweep(swept, cli):
     r = cli("sweeps", "status", "--db", str(d / "r.db"))
     assert r.returncode == 0, r.stderr
     line = next(ln for ln in r.stdout.splitlines() if ln.split()[1:2] == ["tiny"])
-    planned, ok, diverged, failed = line.split()[5:9]  # after sweep, name, preset, date, time
-    assert (planned, ok, diverged, failed) == (str(N_RUNS), str(N_RUNS), "0", "0")
+    counts = line.split()[5:12]  # after sweep, name, preset, date, time; before the best loss
+    # planned, ok, diverged, finished (in the journal), queued, running, failed attempts
+    assert counts == [str(N_RUNS), str(N_RUNS), "0", str(N_RUNS), "0", "0", "0"]
     missing = cli("sweeps", "status", "--db", str(d / "nope.db"))
     assert missing.returncode == 1 and "does not exist" in missing.stderr
 

@@ -21,7 +21,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,10 +79,7 @@ class Cluster:
 def cluster() -> Cluster:
     """The launch this process is part of, read from the cluster environment Lightning's Trainer would pick."""
     for env_type, name in EXTERNAL.items():
-        with warnings.catch_warnings():  # SLURM's "srun is available but not used": advice on Lightning's launch
-            warnings.simplefilter("ignore")
-            detected = env_type.detect()
-        if detected:
+        if env_type.detect():
             env = env_type()
             return Cluster(
                 env.global_rank(), env.world_size(), env.local_rank(), env.node_rank(), env.main_address,

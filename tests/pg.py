@@ -32,6 +32,10 @@ def find_bin() -> Path | None:
 
 def unavailable() -> str | None:
     """Why a test server cannot run here, or None when it can."""
+    import importlib.util
+
+    if importlib.util.find_spec("psycopg") is None:
+        return "psycopg is not installed (pip install -e '.[postgres]')"
     if find_bin() is None:
         return "PostgreSQL is not installed (/usr/lib/postgresql/*/bin/initdb); .ci/run installs it"
     if os.geteuid() == 0 and shutil.which("runuser") is None:

@@ -8,12 +8,13 @@ import time
 import warnings
 
 import optuna
-import psycopg
 import pytest
 import sqlalchemy
 from sqlalchemy.engine import make_url
 
 from tests.pg import USER, _free_port
+
+psycopg = pytest.importorskip("psycopg", reason="the postgres extra (psycopg) is not installed")
 
 WAITING, RUNNING = optuna.trial.TrialState.WAITING, optuna.trial.TrialState.RUNNING
 Retry = optuna.storages.RetryHeartbeatStaleTrialCallback  # Optuna >= 4.9; RetryFailedTrialCallback before

@@ -106,7 +106,9 @@ def versions() -> dict[str, str]:
 def _quiet() -> None:
     for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    for msg in ("does not have many workers", "no `val_dataloader`", "LeafSpec", "sync_dist", "FLOPs not found"):
+    noise = ("does not have many workers", "no `val_dataloader`", "LeafSpec", "sync_dist", "FLOPs not found")
+    # runs start their own ranks unless a launcher did (mixdepth.launch): no advice to prepend srun
+    for msg in (*noise, "`srun` command is available"):
         warnings.filterwarnings("ignore", message=f".*{msg}.*")
 
 
@@ -153,6 +155,7 @@ def fit(run: RunConfig, cache_dir: Path | None = None) -> RunResult:
     Raises:
         ConfigError: the devices asked for are not there (``launch.check_devices``), before anything is trained.
     """
+    _quiet()
     check_devices(run.train)
     return launch(_fit, run.train, run, cache_dir)
 

@@ -40,6 +40,24 @@ def val_losses():
     return read
 
 
+@pytest.fixture(scope="session")
+def status_row():
+    """``status_row(stdout, name) -> {column: value}``: the row of ``python -m sweeps status`` output whose name
+    column is ``name`` (cells are apart by at least two spaces; a cell holds at most one)."""
+    import re
+
+    def row(stdout: str, name: str) -> dict[str, str]:
+        lines = stdout.splitlines()
+        head = re.split(r"\s{2,}", lines[0].strip())
+        for line in lines[1:]:
+            cells = dict(zip(head, re.split(r"\s{2,}", line.strip()), strict=False))
+            if cells.get("name") == name:
+                return cells
+        raise AssertionError(f"no sweep named {name!r} in:\n{stdout}")
+
+    return row
+
+
 @pytest.fixture
 def poison_empty():
     """NaN-fills every uninitialised floating-point allocation during the test (torch.empty, empty_like,

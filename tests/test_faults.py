@@ -86,7 +86,7 @@ def _damage_journal(db: Path, kind: str) -> tuple[Path, bytes]:
 
 
 @pytest.mark.parametrize("kind", DAMAGE)
-def test_damaged_journal_is_rebuilt_from_the_database(reference, tmp_path, capsys, val_losses, kind):
+def test_damaged_journal_is_rebuilt_from_the_database(reference, tmp_path, capsys, val_losses, kind, status_row):
     """status shows "?" and one warning and leaves the journal as it is; the sweep repairs it (a torn or broken
     last line dropped) or moves it aside (a broken line before the end, NUL bytes), says so in one line, exit 0,
     and its results are the uninterrupted sweep's."""
@@ -97,7 +97,7 @@ def test_damaged_journal_is_rebuilt_from_the_database(reference, tmp_path, capsy
     assert main(["status", "--db", str(db)]) == 0
     out, err = capsys.readouterr()
     assert err.count("\n") == 1 and err.startswith(f"warning: journal {journal}: ") and "Traceback" not in err, err
-    assert next(ln for ln in out.splitlines() if ln.split()[1:2] == ["fault"]).split()[5] == "?"  # planned
+    assert status_row(out, "fault")["planned"] == "?"
     assert journal.read_bytes() == bad  # status only reads
 
     assert sweep(db, "sweep.workers=1") == 0

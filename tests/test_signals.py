@@ -79,7 +79,9 @@ def test_signal_in_training_exits_130_and_resumes(tmp_path, cli, cli_env, uninte
     assert val_losses(db) == uninterrupted
 
 
-def test_kill_9_then_rerun_resumes_and_counts_only_started_attempts(tmp_path, cli, cli_env, uninterrupted, val_losses):
+def test_kill_9_then_rerun_resumes_and_counts_only_started_attempts(
+    tmp_path, cli, cli_env, uninterrupted, val_losses, status_row
+):
     """A sweep killed outright leaves its run in flight RUNNING and the rest of the queue WAITING; the rerun fails
     both, trains what the store lacks, and ``status`` counts one failed attempt: queued trials never started."""
     db = tmp_path / "results.db"
@@ -91,5 +93,5 @@ def test_kill_9_then_rerun_resumes_and_counts_only_started_attempts(tmp_path, cl
     assert r.returncode == 0, r.stderr
     assert "2 runs planned, 0 already in" in r.stdout
     assert val_losses(db) == uninterrupted
-    line = next(ln for ln in cli("sweeps", "status", "--db", str(db)).stdout.splitlines() if "isoflop-" in ln)
-    assert line.split()[-5:-1] == ["2", "2", "0", "1"]  # planned, ok, diverged, failed attempts
+    row = status_row(cli("sweeps", "status", "--db", str(db)).stdout, "isoflop-cpu")
+    assert [row[k] for k in ("planned", "ok", "diverged", "failed attempts")] == ["2", "2", "0", "1"]

@@ -121,14 +121,13 @@ def test_display_fit_and_scheduling_settings_do_not_change_the_sweep(setting):
     assert sweep_id(c, "isoflop") != sweep_id(a, "isoflop")
 
 
-def test_status_lists_the_sweep(swept, cli):
+def test_status_lists_the_sweep(swept, cli, status_row):
     d, _, _, _ = swept
     r = cli("sweeps", "status", "--db", str(d / "r.db"))
     assert r.returncode == 0, r.stderr
-    line = next(ln for ln in r.stdout.splitlines() if ln.split()[1:2] == ["tiny"])
-    counts = line.split()[5:12]  # after sweep, name, preset, date, time; before the best loss
-    # planned, ok, diverged, finished (in the journal), queued, running, failed attempts
-    assert counts == [str(N_RUNS), str(N_RUNS), "0", str(N_RUNS), "0", "0", "0"]
+    row = status_row(r.stdout, "tiny")
+    cols = ("planned", "ok", "diverged", "finished", "queued", "running", "failed attempts")  # finished: the journal's
+    assert [row[k] for k in cols] == [str(N_RUNS), str(N_RUNS), "0", str(N_RUNS), "0", "0", "0"]
     missing = cli("sweeps", "status", "--db", str(d / "nope.db"))
     assert missing.returncode == 1 and "does not exist" in missing.stderr
 
@@ -166,7 +165,7 @@ def pooled(tmp_path_factory, cli_env):
     return d, outs
 
 
-def test_workers_train_every_run_once_as_in_process(pooled, cli):
+def test_workers_train_every_run_once_as_in_process(pooled, cli, status_row):
     d, outs = pooled
     cols = "arch, budget, d_model, n_layers, steps, tokens, train_flops, flops_per_token, status, val_loss"
     rows = {}
@@ -179,8 +178,8 @@ def test_workers_train_every_run_once_as_in_process(pooled, cli):
     for a, b in zip(rows[1], rows[2], strict=True):
         assert a[:-1] == b[:-1] and a[-1] == pytest.approx(b[-1], abs=1e-5)
     assert all(f"[{i}/4] val_loss=" in outs[2][0] for i in (1, 2, 3, 4))
-    line = next(ln for ln in cli("sweeps", "status", "--db", str(d / "w2.db")).stdout.splitlines() if " tiny " in ln)
-    assert line.split()[5:9] == ["4", "4", "0", "0"]  # planned, ok, diverged, failed attempts
+    row = status_row(cli("sweeps", "status", "--db", str(d / "w2.db")).stdout, "tiny")
+    assert [row[k] for k in ("planned", "ok", "diverged", "failed attempts")] == ["4", "4", "0", "0"]
 
 
 def test_workers_zero_is_one_line_error(cli, tmp_path):

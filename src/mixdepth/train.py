@@ -166,6 +166,7 @@ def fit(run: RunConfig, cache_dir: Path | None = None) -> RunResult:
     Raises:
         ConfigError: the devices asked for are not there (``launch.check_devices``), before anything is trained.
     """
+    _quiet()
     check_devices(run.train)
     return launch(_fit, run.train, run, cache_dir)
 

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,10 @@ from lightning.fabric.plugins.environments.lightning import find_free_network_po
 from mixdepth.config import FSDP_CPU, ConfigError, TrainConfig, check_rules, micro_batch
 
 R = TypeVar("R")
+
+# SLURMEnvironment.detect() advises prepending srun whenever srun is on PATH: a host with SLURM's tools runs
+# one-host sweeps and their own ranks without it, and that advice would be a second line after a one-line error.
+warnings.filterwarnings("ignore", message=".*`srun` command is available on your system but is not used.*")
 
 # Lightning's _AcceleratorConnector tries these in this order before falling back to LightningEnvironment.
 EXTERNAL = {

@@ -110,9 +110,7 @@ def versions() -> dict[str, str]:
 def _quiet() -> None:
     for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    quiet = ("does not have many workers", "no `val_dataloader`", "LeafSpec", "sync_dist", "FLOPs not found")
-    # a host with SLURM's tools but a run not started by srun (a laptop, a login node, the tests' cluster)
-    for msg in (*quiet, "The `srun` command is available on your system but is not used"):
+    for msg in ("does not have many workers", "no `val_dataloader`", "LeafSpec", "sync_dist", "FLOPs not found"):
         warnings.filterwarnings("ignore", message=f".*{msg}.*")
     # a resumed run's sampler is resumable (ShardedBatchSampler's start step), which Lightning cannot see
     warnings.filterwarnings("ignore", message=".*dataloader is not resumable.*")

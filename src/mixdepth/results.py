@@ -308,7 +308,7 @@ class Writer:
     @contextmanager
     def session(self) -> Iterator[duckdb.DuckDBPyConnection]:
         """A read-write connection for one short piece of work, checkpointed (nothing left only in the WAL) and
-        closed at the end; on an error it is closed unchecked, and the error goes on."""
+        closed at the end; on an error it is closed without a checkpoint, and the error goes on."""
         con = _open(self.db, read_only=False)
         try:
             yield con

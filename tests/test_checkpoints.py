@@ -28,7 +28,9 @@ ARCHS = {"dense": ("dense", {}), "mod_random": ("mod", {"routing": "random"})}
 STEPS = {"dense": 40, "mod_random": 20}  # mod trains slowly under TRITON_INTERPRET
 EVERY = 10
 # threads=1: two OpenMP threads on a loaded 2-core runner are 3-7x slower, and one thread count for every process
-TRAIN = TrainConfig(batch_size=4, progress=False, log_every=5, threads=1, ckpt_every=EVERY)
+TRAIN = TrainConfig(  # the CPU in fp32, where every step is deterministic: resumes compare exactly
+    batch_size=4, progress=False, log_every=5, threads=1, ckpt_every=EVERY, accelerator="cpu"
+)
 DATA = DataConfig(max_bytes=200_000, val_tokens=1024, seq_len=32)
 
 # the child process: train the runs named on its command line (arch, folder, ...), print each result as a JSON line

@@ -57,14 +57,6 @@ def _driver_url(url: str) -> str:
     return f"postgresql+psycopg://{rest}" if scheme in ("postgresql", "postgres") else url
 
 
-def _retry_callback(retries: int) -> dict[str, Any]:
-    """Optuna's callback that queues a trial again when its heartbeat stopped (renamed in Optuna 5)."""
-    storages = optuna.storages
-    if hasattr(storages, "RetryHeartbeatStaleTrialCallback"):
-        return {"heartbeat_stale_trial_callback": storages.RetryHeartbeatStaleTrialCallback(max_retry=retries)}
-    return {"failed_trial_callback": storages.RetryFailedTrialCallback(max_retry=retries)}
-
-
 def _rdb_error(url: str, e: BaseException) -> StorageError:
     e = e.__cause__ or e if isinstance(e, optuna.exceptions.StorageInternalError) else e  # Optuna wraps the driver's
     text = str(getattr(e, "orig", None) or e).strip().splitlines()
@@ -115,14 +107,18 @@ def open_storage(
     import sqlalchemy.exc
 
     url = _driver_url(where)
+    engine = {"pool_pre_ping": True}  # a connection the server dropped is replaced, not an error mid-sweep
+    if url.startswith("postgresql+psycopg://"):
+        engine["connect_args"] = {"connect_timeout": 10}  # libpq waits forever for a silent host otherwise
     try:
         return optuna.storages.RDBStorage(
             url,
-            engine_kwargs={"pool_pre_ping": True},
+            engine_kwargs=engine,
             heartbeat_interval=heartbeat_interval,
             grace_period=grace_period,
             skip_table_creation=not create,
-            **_retry_callback(retries),
+            # Optuna's RetryFailedTrialCallback, renamed in 4.9
+            heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=retries),
         )
     except sqlalchemy.exc.NoSuchModuleError:
         raise StorageError(f"unknown storage URL scheme {where.split('://', 1)[0]!r} in {redact(where)}") from None

@@ -449,7 +449,7 @@ def train_overrides(overrides: list[str], allowed: tuple[str, ...]) -> dict[str,
                     f"train.{key} cannot be set here (it is part of the run); allowed: {', '.join(allowed)}"
                 )
     try:
-        train = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), given))
+        train = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), given.get("train", {})))
     except OmegaConfBaseException as e:
         raise ConfigError(_one_line(e)) from None
     check_rules("train", train)

@@ -187,9 +187,11 @@ def trials(study: optuna.Study, *states: TrialState) -> list[optuna.trial.Frozen
     return [t for t in study.get_trials(deepcopy=False, states=states or None) if "run" in t.user_attrs]
 
 
-def enqueue(study: optuna.Study, payloads: list[dict[str, Any]]) -> int:
-    """Queue the runs whose run_id has no queued, running or finished trial yet; returns how many were queued."""
-    have = {run_id(t) for t in trials(study, TrialState.WAITING, TrialState.RUNNING, TrialState.COMPLETE)}
+def enqueue(study: optuna.Study, payloads: list[dict[str, Any]], skip_finished: bool = True) -> int:
+    """Queue the runs whose run_id has no queued or running trial yet, nor (``skip_finished``) a finished one;
+    returns how many were queued."""
+    states = (TrialState.WAITING, TrialState.RUNNING) + ((TrialState.COMPLETE,) if skip_finished else ())
+    have = {run_id(t) for t in trials(study, *states)}
     fresh = [p for p in payloads if p["row"]["run_id"] not in have]
     for p in fresh:
         study.enqueue_trial({}, user_attrs={"run": p})

@@ -163,16 +163,18 @@ def _run(
     lab: LabConfig, paths: SweepPaths, store: results.Writer, study: optuna.Study, meta: dict, payloads: list, gpus
 ) -> int:
     sid = meta["sweep_id"]
+    shared = bool(lab.sweep.storage)  # an RDB other hosts train from; the journal is this database's alone
     with store.session() as con:
         results.add_sweep(con, sid, lab.sweep.name, meta["preset"], meta["config"])
-        collect_study(con, study, meta)  # runs the storage holds but the database lacks: another host's, a failed write
+        if shared:  # runs other hosts finished: the storage holds them, the database not yet
+            collect_study(con, study, meta)
         done = results.finished_run_ids(con)
     todo = [p for p in payloads if p["row"]["run_id"] not in done]
     print(
         f"sweep {sid}: {len(payloads)} runs planned, {len(payloads) - len(todo)} already in {paths.db},"
         f" {len(todo)} to run"
     )
-    queue.enqueue(study, todo)
+    queue.enqueue(study, todo, skip_finished=shared)  # with the journal the database is the record: what it lacks runs
 
     def add(_study, row: dict, res) -> None:
         with store.session() as con:
@@ -193,8 +195,9 @@ def _run(
         on_done=add,
         inline=workers == 1,
     ).run()
-    with store.session() as con:
-        collect_study(con, study, meta)  # what other hosts finished meanwhile
+    if shared:
+        with store.session() as con:
+            collect_study(con, study, meta)  # what other hosts finished meanwhile
     print(f"trained {len(todo) - len(failed)} runs in {time.perf_counter() - start:.0f}s")
     gave_up = _gave_up(failed, lab.sweep.retries + 1) if failed else ""
 

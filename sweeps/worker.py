@@ -184,10 +184,8 @@ class Drain:
 
 def slot_gpus(train: TrainConfig, workers: int) -> list[str]:
     """CUDA_VISIBLE_DEVICES of each training slot: ``train.devices`` GPUs each when more than one run trains at
-    once on GPUs, else none. Checked before the store or the storage is opened (a dry run, which trains
-    nothing, plans GPU presets on any machine)."""
-    if train.accelerator == "gpu" and not torch.cuda.is_available():
-        raise ConfigError("train.accelerator=gpu, but no GPU is visible; use auto or cpu")
+    once on GPUs, else none. Called after ``launch.check_devices`` and before the store or the storage is opened
+    (a dry run, which trains nothing, plans GPU presets on any machine)."""
     if workers == 1 or resolve_device(train)[0] != "gpu":
         return []
     n, per = torch.cuda.device_count(), train.devices

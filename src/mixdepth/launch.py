@@ -123,6 +123,8 @@ def check_devices(t: TrainConfig) -> None:
     """
     check_rules("train", t)
     micro_batch(t)
+    if t.accelerator == "gpu" and not torch.cuda.is_available():
+        raise ConfigError("train.accelerator=gpu, but no GPU is visible; use auto or cpu")
     accelerator, _ = resolve_device(t)
     if accelerator == "gpu":
         present, what = torch.cuda.device_count(), "GPUs visible"

@@ -456,9 +456,9 @@ def add_runs(
         ],
         columns=["run_id", "step", "tokens", "flops", "train_loss", "lr"],
     )
-    con.register("runs_df", runs_df)
-    con.register("curves_df", curves_df)
-    with _transaction(con):
+    with _transaction(con):  # BEGIN first: it ends a caller's unfinished result, which register refuses
+        con.register("runs_df", runs_df)
+        con.register("curves_df", curves_df)
         con.execute("DELETE FROM curves WHERE run_id IN (SELECT run_id FROM runs_df)")
         con.execute("DELETE FROM runs WHERE run_id IN (SELECT run_id FROM runs_df)")
         con.execute(f"INSERT INTO runs ({', '.join(given)}, created_at) SELECT {', '.join(given)}, now() FROM runs_df")

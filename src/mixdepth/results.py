@@ -459,13 +459,16 @@ def add_runs(
     with _transaction(con):  # BEGIN first: it ends a caller's unfinished result, which register refuses
         con.register("runs_df", runs_df)
         con.register("curves_df", curves_df)
-        con.execute("DELETE FROM curves WHERE run_id IN (SELECT run_id FROM runs_df)")
-        con.execute("DELETE FROM runs WHERE run_id IN (SELECT run_id FROM runs_df)")
-        con.execute(f"INSERT INTO runs ({', '.join(given)}, created_at) SELECT {', '.join(given)}, now() FROM runs_df")
-        if len(curves_df):
-            con.execute("INSERT INTO curves SELECT * FROM curves_df")
-    con.unregister("runs_df")
-    con.unregister("curves_df")
+        try:
+            con.execute("DELETE FROM curves WHERE run_id IN (SELECT run_id FROM runs_df)")
+            con.execute("DELETE FROM runs WHERE run_id IN (SELECT run_id FROM runs_df)")
+            cols = ", ".join(given)
+            con.execute(f"INSERT INTO runs ({cols}, created_at) SELECT {cols}, now() FROM runs_df")
+            if len(curves_df):
+                con.execute("INSERT INTO curves SELECT * FROM curves_df")
+        finally:  # a failed write leaves no view behind on the caller's connection
+            con.unregister("runs_df")
+            con.unregister("curves_df")
 
 
 def add_fits(con: duckdb.DuckDBPyConnection, rows: Iterable[Mapping[str, Any]]) -> None:

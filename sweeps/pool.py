@@ -11,6 +11,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -173,15 +174,21 @@ class Inline:
 class Ranks(Inline):
     """``Inline`` on global rank 0 of a launch with several ranks (``srun``, ``torchrun``): each run is handed to
     the other ranks (``follow``) through the launch's TCP store before rank 0 trains it, so every rank calls
-    ``train.fit`` for the same run in the same order; leaving the block tells them no run is left."""
+    ``train.fit`` for the same run in the same order; leaving the block tells them no run is left, and waits (up
+    to ``LEAVE_WAIT_S``) until they have read it: the store lives in this process and goes with it."""
 
-    def __init__(self, store) -> None:
+    LEAVE_WAIT_S = 60.0
+
+    def __init__(self, store, followers: int) -> None:
         super().__init__()
-        self._store, self._k = store, 0
+        self._store, self._k, self._followers = store, 0, followers
 
     def __exit__(self, exc_type, exc, tb) -> None:
         super().__exit__(exc_type, exc, tb)
         self._store.set(f"run{self._k}", b"")
+        deadline = time.monotonic() + self.LEAVE_WAIT_S
+        while self._store.add("left", 0) < self._followers and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def submit(self, key: Any, run: Any) -> None:
         super().submit(key, run)
@@ -198,4 +205,5 @@ def follow(store) -> int:
     while data := store.get(f"run{k}"):
         fit(pickle.loads(data))
         k += 1
+    store.add("left", 1)
     return k

@@ -74,8 +74,8 @@ class Drain:
         on_done: called with (study, row, RunResult) once the storage holds a finished run (the local sweep
             stores it in its database); then the run's checkpoints are dropped (or its last one kept).
         inline: train in this process (one slot): exceptions propagate as they would without a queue.
-        ranks: the TCP store of a launch with several ranks (srun, torchrun) when this is its rank 0: each run
-            is trained in this process together with the other ranks (``pool.Ranks``).
+        ranks: (TCP store, number of other ranks) of a launch with several ranks (srun, torchrun) when this is its
+            rank 0: each run is trained in this process together with the other ranks (``pool.Ranks``).
     """
 
     studies: list[optuna.Study]
@@ -86,7 +86,7 @@ class Drain:
     retries: int = 1
     on_done: Callable[[optuna.Study, dict, Any], None] | None = None
     inline: bool = False
-    ranks: Any = None
+    ranks: tuple[Any, int] | None = None
 
     def run(self) -> dict[str, str]:
         """Train until no run of the studies is queued or running anywhere; returns the runs given up on here:
@@ -100,7 +100,7 @@ class Drain:
             beat = _Heartbeat(min(beats), running)
             beat.start()
         try:
-            pool = Ranks(self.ranks) if self.ranks else Inline() if self.inline else Pool(self.slots, self.gpus)
+            pool = Ranks(*self.ranks) if self.ranks else Inline() if self.inline else Pool(self.slots, self.gpus)
             if isinstance(pool, Pool) and hasattr(signal, "SIGUSR1"):
                 # SLURM's --signal=USR1 reaches every process of the step: the training processes save and requeue
                 # (Lightning), this one must survive it (the default kills). A Python handler, not SIG_IGN: the
@@ -240,7 +240,7 @@ def serve(where: str, sweep: str | None, workers: int, overrides: list[str]) -> 
         if c.global_rank != 0:
             follow(store)
             return 0
-        workers, ranks = 1, store
+        workers, ranks = 1, (store, c.world_size - 1)
     else:
         ranks = None
     if workers == 0 and ranks is None:

@@ -254,3 +254,23 @@ def test_one_run_across_two_nodes(tmp_path, postgres, slurm, cli, reference, val
     with duckdb.connect(str(db), read_only=True) as con:  # every run was trained on both ranks
         devices = [r[0] for r in con.execute("SELECT device FROM runs").fetchall()]
     assert len(devices) == 3 and all(d.endswith("(2 ranks)") for d in devices), devices
+
+
+def test_torchrun_worker_trains_each_run_on_every_rank(tmp_path, postgres, cli, cli_env, reference, val_losses):
+    """README's single-node recipe ``torchrun --nproc-per-node N -m sweeps worker ... train.devices=N``: rank 0 takes
+    each run from the storage and both ranks train it together, to the one-process losses."""
+    url = postgres.new_db()
+    assert cli("sweeps", "isoflop", "--enqueue-only", f"sweep.storage={url}", *ARGS).returncode == 0
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd = [*run, "-m", "sweeps", "worker", "--storage", url, "train.devices=2"]
+    out = subprocess.run(cmd, cwd=tmp_path, env=cli_env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("val_loss=") == 3, out.stdout + out.stderr  # printed by rank 0 only
+    db = tmp_path / "results.db"
+    assert cli("sweeps", "collect", "--storage", url, "--db", str(db)).returncode == 0
+    got = val_losses(db)
+    assert got.keys() == reference.keys()
+    assert all(got[k] == pytest.approx(v, rel=REL) for k, v in reference.items()), (got, reference)
+    with duckdb.connect(str(db), read_only=True) as con:
+        devices = [r[0] for r in con.execute("SELECT device FROM runs").fetchall()]
+    assert len(devices) == 3 and all(d.endswith("(2 ranks)") for d in devices), devices

@@ -1,10 +1,11 @@
 """``python -m analysis <command>``: fit CSV data or a sweep store, query it, export it, plot and report.
 
 Commands:
-    fit-csv PATH --n-col C --c-col C --loss-col C [--d-col C] [--method parametric|isoflop] [--json]
+    fit-csv PATH --n-col C --c-col C --loss-col C [--d-col C] [--method parametric|isoflop] [--holdout K] [--json]
     query --db PATH "SQL"
     export --db PATH TABLE OUT.parquet
-    fit --db PATH [--sweep ID]             fits a sweep and writes the ``fits`` table
+    fit --db PATH [--sweep ID] [--holdout K]   fits a sweep and writes the ``fits`` table
+    forecast --db PATH [--sweep ID] [--holdout K]   predicts the largest K budgets from the others (read-only)
     plot --db PATH [--sweep ID] --out DIR  figures only (read-only)
     report --db PATH [--sweep ID] --out DIR [--store]   figures + report.md (read-only unless --store)
 
@@ -41,7 +42,15 @@ def _one_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
+def _forecast_table(casts) -> str:
+    from analysis.query import format_table
+
+    head = ["budget", "method", "loss_pred", "loss_lo", "loss_hi", "loss_obs", "n_pred", "n_lo", "n_hi", "n_obs", "why"]
+    return format_table(head, [[getattr(f, k) for k in head] for f in casts])
+
+
 def _cmd_fit_csv(args: argparse.Namespace) -> int:
+    from analysis.forecast import forecast
     from analysis.isoflop import fit_isoflop
     from analysis.parametric import fit_parametric
     from analysis.query import format_table
@@ -50,7 +59,7 @@ def _cmd_fit_csv(args: argparse.Namespace) -> int:
     pts = read_points_csv(args.path, args.n_col, args.c_col, args.loss_col, args.d_col, args.drop_highest_loss)
     n, c, d, loss = (pts[k].to_numpy() for k in ("n", "c", "d", "loss"))
     if args.method == "parametric":
-        fit = fit_parametric(n, d, loss, n_starts=args.n_starts or None, n_boot=args.bootstrap, seed=args.seed)
+        fit = fit_parametric(n, d, loss, n_starts=args.n_starts or None)
         out = {"method": "parametric", **fit.to_dict()}
         text = format_table(
             ["E", "A", "B", "alpha", "beta", "a", "objective", "n_points"],
@@ -58,20 +67,27 @@ def _cmd_fit_csv(args: argparse.Namespace) -> int:
         )
         if fit.ci:
             ci = [[k, lo, hi] for k, (lo, hi) in fit.ci.items()]
-            text += "\n\n" + format_table(["param", "ci_2.5%", "ci_97.5%"], ci)
+            text += "\n\n" + format_table(["param", "lo_90%", "hi_90%"], ci)
+        if not fit.identified:
+            text = f"not identified: {fit.why}\n(numbers below are no result)\n" + text
     else:
-        fit = fit_isoflop(n, bin_budgets(c, args.c_bin_width), loss, d, n_boot=args.bootstrap, seed=args.seed)
+        fit = fit_isoflop(n, bin_budgets(c, args.c_bin_width), loss, d)
         out = {"method": "isoflop", "c_bin_width": args.c_bin_width, "n_points": len(pts), **fit.to_dict()}
         rows = [
             [p.budget, p.n_points, p.n_opt, p.d_opt, p.loss_opt, p.curvature, p.vertex_inside] for p in fit.parabolas
         ]
         text = format_table(["budget", "points", "N_opt", "D_opt", "L_opt", "curvature", "inside"], rows)
         laws = [
-            [name, law.k, law.exponent, *(law.ci_exponent or (None, None))]
+            [name, law.k, law.exponent, *(law.ci_exponent or (None, None)), law.why or None]
             for name, law in (("N*", fit.n_opt), ("D*", fit.d_opt), ("L*", fit.loss_opt))
             if law is not None
         ]
-        text += "\n\n" + format_table(["law", "k", "exponent", "exp_ci_2.5%", "exp_ci_97.5%"], laws)
+        text += "\n\n" + format_table(["law", "k", "exponent", "exp_lo_90%", "exp_hi_90%", "not identified"], laws)
+    if args.holdout:
+        casts = forecast(n, bin_budgets(c, args.c_bin_width), loss, d, holdout=args.holdout)
+        out["forecast"] = [f.to_dict() for f in casts]
+        text += "\n\nforecast of the largest budget(s) from the others (90% prediction intervals)\n"
+        text += _forecast_table(casts)
     print(json.dumps(out, indent=2) if args.json else text)
     return 0
 
@@ -126,12 +142,26 @@ def _cmd_fit(args: argparse.Namespace) -> int:
 
     with held(args.db, write=True) as store, session(store) as con:
         sid = resolve_sweep(con, args.sweep)
-        fits = fit_points(
-            load_points(con, sid), sid, n_boot=args.bootstrap, parametric_boot=args.parametric_bootstrap,
-            seed=args.seed,
-        )  # fmt: skip
+        fits = fit_points(load_points(con, sid), sid, holdout=args.holdout)
         n_rows = store_fits(con, fits)
     print(json.dumps(fits.to_dict(), indent=2) if args.json else _summary(fits) + f"\nwrote {n_rows} fits rows")
+    return 0
+
+
+def _cmd_forecast(args: argparse.Namespace) -> int:
+    from analysis.pipeline import fit_points
+    from analysis.store import load_points, resolve_sweep, session
+
+    with session(args.db) as con:
+        sid = resolve_sweep(con, args.sweep)
+        points = load_points(con, sid)
+    fits = fit_points(points, sid, holdout=args.holdout)
+    if args.json:
+        print(json.dumps({a.arch: [f.to_dict() for f in a.forecasts] for a in fits.archs}, indent=2))
+        return 0
+    for a in fits.archs:
+        skipped = [n for n in a.notes if n.startswith("forecast skipped")]
+        print(f"{a.arch}: " + ("; ".join(skipped) if skipped else "\n" + _forecast_table(a.forecasts)))
     return 0
 
 
@@ -142,10 +172,8 @@ def _cmd_outputs(args: argparse.Namespace) -> int:
     refuse_store_files(args.db, [Path(args.out), *(Path(args.out) / name for name in OUTPUT_NAMES)])
     is_report = args.command == "report"
     paths = run_all(
-        args.db, args.sweep, args.out, n_boot=args.bootstrap if is_report else 0,
-        parametric_boot=args.parametric_bootstrap if is_report else 0, seed=args.seed,
-        store=is_report and args.store, report=is_report,
-    )  # fmt: skip
+        args.db, args.sweep, args.out, holdout=args.holdout, store=is_report and args.store, report=is_report
+    )
     for name, path in paths.items():
         print(f"{name}: {path}")
     return 0
@@ -179,8 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--d-col", help="column of training tokens D (default: D = C / (6 N))")
     f.add_argument("--drop-highest-loss", type=count, default=0, metavar="K", help="drop the K highest losses")
     f.add_argument("--method", choices=("parametric", "isoflop"), default="parametric")
-    f.add_argument("--bootstrap", type=count, default=0, metavar="N", help="bootstrap resamples for CIs (0: none)")
-    f.add_argument("--seed", type=count, default=0, help="bootstrap seed")
+    f.add_argument(
+        "--holdout", type=count, default=0, metavar="K", help="forecast the largest K budgets from the others (0: none)"
+    )
     f.add_argument(
         "--c-bin-width", type=decades, default=0.1, metavar="DECADES",
         help="isoflop: points whose log10 C round to the same multiple of this share a budget (0: exact C)",
@@ -206,23 +235,21 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=_cmd_export)
 
     for name, help_ in (
-        ("fit", "fit a sweep (isoFLOP parabolas, power laws, parametric) and write the fits table"),
+        ("fit", "fit a sweep (isoFLOP parabolas, power laws, parametric, forecast) and write the fits table"),
+        ("forecast", "predict a sweep's largest budgets from the others and compare (read-only)"),
         ("plot", "write the figures of a sweep (read-only)"),
         ("report", "write figures and report.md of a sweep (read-only unless --store)"),
     ):
         s = sub.add_parser(name, help=help_)
         s.add_argument("--db", required=True, help="DuckDB store")
         s.add_argument("--sweep", help="sweep id (default: the sweep with the newest finished run)")
-        s.add_argument("--seed", type=count, default=0, help="bootstrap seed")
-        if name != "plot":
-            s.add_argument("--bootstrap", type=count, default=200, metavar="N", help="isoFLOP bootstrap resamples")
-            s.add_argument(
-                "--parametric-bootstrap", type=count, default=100, metavar="N",
-                help="parametric bootstrap resamples (each is two L-BFGS-B refits)",
-            )  # fmt: skip
-        if name == "fit":
-            s.add_argument("--json", action="store_true", help="print all fits as JSON")
-            s.set_defaults(func=_cmd_fit)
+        s.add_argument(
+            "--holdout", type=count, default=1, metavar="K",
+            help="forecast the largest K budgets from the others (0: none)",
+        )  # fmt: skip
+        if name in ("fit", "forecast"):
+            s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+            s.set_defaults(func=_cmd_fit if name == "fit" else _cmd_forecast)
         else:
             s.add_argument("--out", required=True, help="output folder (created)")
             s.set_defaults(func=_cmd_outputs)

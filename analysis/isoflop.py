@@ -10,20 +10,22 @@ pairs at ln N*, extrapolated along the end segments. With D = C / (6 N) this is 
 lab's exact FLOPs (D = C / (3 * flops_per_token(N))) it follows the real per-architecture token count
 without needing the FLOP formula here.
 
-Confidence intervals: a bootstrap that resamples the points of each budget with replacement, refits every
-parabola and every power law, and takes the 2.5 / 97.5 percentiles. A resampled budget with fewer than 3
-distinct N, or whose vertex falls outside, drops out of that resample; a resample with fewer than 2 inside
-budgets gives no power law and is not counted in ``n_boot_ok``.
+Intervals: t intervals of each power law from the scatter of the vertices about it (``records.PowerLaw``).
+A percentile bootstrap over runs cannot be used: with three sizes per budget every resample that still has
+three distinct sizes is the data itself, and the interval collapses onto the estimate. The vertices' scatter
+holds their measurement noise and the parabola's misfit alike; with two budgets there is none to estimate and
+the intervals are "not identified".
 """
 
 from __future__ import annotations
 
 import numpy as np
+from scipy import stats
 from scipy.optimize import least_squares
 from threadpoolctl import threadpool_limits
 
 from analysis.errors import AnalysisError
-from analysis.records import IsoflopFit, ParabolaFit, PowerLaw
+from analysis.records import LEVEL, IsoflopFit, ParabolaFit, PowerLaw
 
 
 def _as_1d(name: str, v: np.ndarray | list[float], size: int | None = None) -> np.ndarray:
@@ -123,18 +125,13 @@ def fit_parabola(
     )
 
 
-def _loglog_line(c: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-    """(log10 k, exponent) of y = k C^exponent by least squares in log10-log10."""
-    slope, intercept = np.polyfit(np.log10(c), np.log10(y), 1)
-    return float(intercept), float(slope)
-
-
-def fit_power_law(c: np.ndarray, y: np.ndarray) -> PowerLaw:
-    """Fit ``y = k * C**exponent`` by least squares in log-log (no CI; see ``fit_isoflop``).
+def fit_power_law(c: np.ndarray, y: np.ndarray, level: float = LEVEL) -> PowerLaw:
+    """Fit ``y = k * C**exponent`` by least squares in log10-log10, with ``level`` t intervals (``PowerLaw``).
 
     Args:
         c: [K] budgets (> 0), at least 2 distinct.
         y: [K] values (> 0).
+        level: coverage of the intervals.
 
     Raises:
         AnalysisError: fewer than 2 distinct budgets or non-positive values.
@@ -145,18 +142,29 @@ def fit_power_law(c: np.ndarray, y: np.ndarray) -> PowerLaw:
         raise AnalysisError("a power law needs at least 2 distinct budgets")
     if np.any(c <= 0) or np.any(y <= 0):
         raise AnalysisError("power-law values must be positive")
-    logk, e = _loglog_line(c, y)
-    return PowerLaw(k=float(10.0**logk), exponent=e, n_points=int(c.size))
+    x, v = np.log10(c), np.log10(y)
+    slope, intercept = np.polyfit(x, v, 1)
+    k, e = float(10.0**intercept), float(slope)
+    x_mean, sxx, dof = float(x.mean()), float(((x - x.mean()) ** 2).sum()), c.size - 2
+    if dof < 1:
+        return PowerLaw(k, e, c.size, level, x_mean=x_mean, sxx=sxx, why="2 budgets: no scatter to estimate noise")
+    s = float(np.sqrt(((v - (intercept + slope * x)) ** 2).sum() / dof))
+    if not s > 1e-12 * max(1.0, float(np.abs(v).max())):  # roundoff: a zero-width interval would be false
+        return PowerLaw(k, e, c.size, level, x_mean=x_mean, sxx=sxx, why="the points lie exactly on the line")
+    t = float(stats.t.ppf(0.5 + level / 2, dof))
+    half_e, half_k = t * s / np.sqrt(sxx), t * s * np.sqrt(1 / c.size + x_mean**2 / sxx)
+    ci_k = (float(k * 10.0**-half_k), float(k * 10.0**half_k))
+    return PowerLaw(k, e, c.size, level, ci_k, (float(e - half_e), float(e + half_e)), s, x_mean, sxx)
 
 
-def _vertex_laws(fits: list[ParabolaFit]) -> np.ndarray | None:
-    """[3, 2] rows (log10 k, exponent) for N*, D*, L* over inside vertices, or None (< 2 inside budgets)."""
+def _vertex_laws(fits: list[ParabolaFit], level: float) -> tuple[PowerLaw, PowerLaw, PowerLaw] | None:
+    """N*(C), D*(C), L*(C) over the inside vertices, or None (fewer than 2 inside budgets)."""
     inside = [f for f in fits if f.vertex_inside and f.loss_opt > 0]
     if len({f.budget for f in inside}) < 2:
         return None
     c = np.array([f.budget for f in inside])
-    cols = ([f.n_opt for f in inside], [f.d_opt for f in inside], [f.loss_opt for f in inside])
-    return np.array([_loglog_line(c, np.asarray(v)) for v in cols])
+    n, d, loss = (np.array(v) for v in zip(*((f.n_opt, f.d_opt, f.loss_opt) for f in inside)))
+    return fit_power_law(c, n, level), fit_power_law(c, d, level), fit_power_law(c, loss, level)
 
 
 @threadpool_limits.wrap(limits=1, user_api="blas")  # tiny BLAS calls: a busy thread pool is 50x slower
@@ -166,10 +174,9 @@ def fit_isoflop(
     loss: np.ndarray,
     d: np.ndarray | None = None,
     *,
-    n_boot: int = 200,
-    seed: int = 0,
     min_points: int = 3,
     f_scale: float | None = None,
+    level: float = LEVEL,
 ) -> IsoflopFit:
     """Approach 2 over points grouped by budget (the distinct values of ``c``).
 
@@ -179,14 +186,13 @@ def fit_isoflop(
             budgets first, e.g. with ``analysis.tabular.bin_budgets``).
         loss: [P] losses (nats).
         d: [P] tokens per point; None means C / (6 N). D*(C) is interpolated from these (module docstring).
-        n_boot: bootstrap resamples for the power-law CIs (0 disables).
-        seed: bootstrap seed.
         min_points: fewest points a budget needs for its parabola (at least 3).
         f_scale: robust residual scale passed to ``fit_parabola`` (None estimates it per budget).
+        level: coverage of the power laws' intervals.
 
     Returns:
         Parabolas for every budget with enough points, power laws over the inside vertices (None when
-        fewer than 2 budgets have their vertex inside), CIs when ``n_boot`` > 0, and notes on what was skipped.
+        fewer than 2 budgets have their vertex inside) with their intervals, and notes on what was skipped.
 
     Raises:
         AnalysisError: bad values or no budget with enough points.
@@ -196,7 +202,6 @@ def fit_isoflop(
     loss = _as_1d("loss", loss, n.size)
     d = c / (6.0 * n) if d is None else _as_1d("d", d, n.size)
     min_points = max(3, int(min_points))
-    groups: list[tuple[float, np.ndarray]] = []
     skipped: list[str] = []
     fits: list[ParabolaFit] = []
     for b in np.unique(c):
@@ -205,7 +210,6 @@ def fit_isoflop(
         if idx.size < min_points or n_distinct < 3:
             skipped.append(f"budget {b:.3g}: {idx.size} points ({n_distinct} distinct N), need {min_points}")
             continue
-        groups.append((float(b), idx))
         fits.append(fit_parabola(n[idx], loss[idx], b, d[idx], f_scale=f_scale))
     if not fits:
         raise AnalysisError(f"no budget has at least {min_points} points with 3 distinct N")
@@ -213,42 +217,17 @@ def fit_isoflop(
         if not f.vertex_inside:
             why = "curvature <= 0" if f.curvature <= 0 else "vertex outside the sampled N range"
             skipped.append(f"budget {f.budget:.3g}: {why}, left out of the power laws")
-    laws = _vertex_laws(fits)
+    laws = _vertex_laws(fits, level)
     if laws is None:
         skipped.append("fewer than 2 budgets with an inside vertex: no power laws")
-
-    boot: list[np.ndarray] = []
-    rng = np.random.default_rng(seed)
-    for _ in range(max(0, int(n_boot)) if laws is not None else 0):
-        rfits = []
-        for b, idx in groups:
-            j = rng.choice(idx, size=idx.size, replace=True)
-            if np.unique(n[j]).size < 3:
-                continue
-            rfits.append(fit_parabola(n[j], loss[j], b, d[j], f_scale=f_scale))
-        r = _vertex_laws(rfits)
-        if r is not None:
-            boot.append(r)
-    samples = np.array(boot)  # [B, 3, 2]
-
-    def law(i: int) -> PowerLaw | None:
-        if laws is None:
-            return None
-        ci_k = ci_e = None
-        if len(boot) >= 2:
-            lo, hi = np.percentile(samples[:, i, :], [2.5, 97.5], axis=0)
-            ci_k, ci_e = (float(10.0 ** lo[0]), float(10.0 ** hi[0])), (float(lo[1]), float(hi[1]))
-        used = sum(f.vertex_inside and f.loss_opt > 0 for f in fits)
-        return PowerLaw(float(10.0 ** laws[i, 0]), float(laws[i, 1]), used, ci_k, ci_e)
-
+    elif laws[0].why:
+        skipped.append(f"power-law intervals not identified: {laws[0].why}")
+    n_law, d_law, l_law = laws or (None, None, None)
     return IsoflopFit(
         parabolas=tuple(fits),
-        n_opt=law(0),
-        d_opt=law(1),
-        loss_opt=law(2),
+        n_opt=n_law,
+        d_opt=d_law,
+        loss_opt=l_law,
         budgets_used=tuple(f.budget for f in fits if f.vertex_inside and f.loss_opt > 0),
         skipped=tuple(skipped),
-        n_boot=max(0, int(n_boot)),
-        n_boot_ok=len(boot),
-        seed=int(seed),
     )

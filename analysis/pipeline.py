@@ -18,9 +18,10 @@ import duckdb
 import pandas as pd
 
 from analysis.errors import AnalysisError
+from analysis.forecast import forecast
 from analysis.isoflop import fit_isoflop
 from analysis.parametric import fit_parametric
-from analysis.records import IsoflopFit, ParametricFit, plain
+from analysis.records import Forecast, IsoflopFit, ParametricFit, plain
 from analysis.store import fit_rows, held, load_points, resolve_sweep, session, sweep_summary
 from mixdepth.results import Writer, add_fits
 
@@ -37,6 +38,7 @@ class ArchFits:
         n_points: usable points.
         isoflop: Approach 2, or None when no budget had 3 points.
         parametric: Approach 3, or None with too few points.
+        forecasts: the largest ``holdout`` budgets predicted from the others (``analysis.forecast``).
         notes: one line per thing skipped and why.
     """
 
@@ -45,6 +47,7 @@ class ArchFits:
     n_points: int
     isoflop: IsoflopFit | None
     parametric: ParametricFit | None
+    forecasts: tuple[Forecast, ...] = ()
     notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
@@ -80,7 +83,7 @@ def series_points(points: pd.DataFrame, *, causal: bool = True) -> pd.DataFrame:
     return pd.concat(parts, ignore_index=True)
 
 
-def _fit_series(arch: str, pts: pd.DataFrame, loss_col: str, n_boot: int, parametric_boot: int, seed: int) -> ArchFits:
+def _fit_series(arch: str, pts: pd.DataFrame, loss_col: str, holdout: int) -> ArchFits:
     notes: list[str] = []
     usable = pts.dropna(subset=["n", "d", "budget", "loss"])
     usable = usable[(usable["n"] > 0) & (usable["d"] > 0) & (usable["loss"] > 0)]
@@ -88,8 +91,9 @@ def _fit_series(arch: str, pts: pd.DataFrame, loss_col: str, n_boot: int, parame
         notes.append(f"{len(pts) - len(usable)} runs without N, D or loss left out")
     n, d, c, loss = (usable[k].to_numpy(float) for k in ("n", "d", "budget", "loss"))
     iso = par = None
+    casts: tuple[Forecast, ...] = ()
     try:
-        iso = fit_isoflop(n, c, loss, d, n_boot=n_boot, seed=seed)
+        iso = fit_isoflop(n, c, loss, d)
         notes.extend(iso.skipped)
     except AnalysisError as e:
         notes.append(f"isoFLOP fit skipped: {e}")
@@ -97,48 +101,47 @@ def _fit_series(arch: str, pts: pd.DataFrame, loss_col: str, n_boot: int, parame
         notes.append(f"parametric fit skipped: {len(usable)} points, need {MIN_PARAMETRIC_POINTS}")
     else:
         try:
-            par = fit_parametric(n, d, loss, n_boot=parametric_boot, seed=seed)
+            par = fit_parametric(n, d, loss)
+            if not par.identified:
+                notes.append(f"parametric fit not identified: {par.why}")
         except AnalysisError as e:
             notes.append(f"parametric fit skipped: {e}")
-    return ArchFits(arch, loss_col, len(usable), iso, par, tuple(notes))
+    if holdout:
+        try:
+            casts = forecast(n, c, loss, d, holdout=holdout)
+        except AnalysisError as e:
+            notes.append(f"forecast skipped: {e}")
+    return ArchFits(arch, loss_col, len(usable), iso, par, casts, tuple(notes))
 
 
 def fit_points(
-    points: pd.DataFrame,
-    sweep_id: str | None = None,
-    *,
-    n_boot: int = 200,
-    parametric_boot: int = 100,
-    seed: int = 0,
-    causal: bool = True,
+    points: pd.DataFrame, sweep_id: str | None = None, *, holdout: int = 1, causal: bool = True
 ) -> SweepFits:
-    """Fit Approaches 2 and 3 for every series of a sweep's points.
+    """Fit Approaches 2 and 3 for every series of a sweep's points, and forecast its largest budgets.
 
     Args:
         points: ``isoflop_points`` rows of one sweep.
         sweep_id: recorded on the result.
-        n_boot: bootstrap resamples for the isoFLOP power laws.
-        parametric_boot: bootstrap resamples for the parametric fit (each resample is two L-BFGS-B refits).
-        seed: bootstrap seed.
+        holdout: largest budgets each series forecasts from the others (0: no forecast).
         causal: also fit ``<arch>:causal`` series.
     """
     long = series_points(points, causal=causal)
     out = []
     for arch in sorted(long["arch"].unique()):
         loss_col = "val_loss_causal" if arch.endswith(":causal") else "val_loss"
-        out.append(_fit_series(arch, long[long["arch"] == arch], loss_col, n_boot, parametric_boot, seed))
+        out.append(_fit_series(arch, long[long["arch"] == arch], loss_col, holdout))
     return SweepFits(sweep_id, tuple(out))
 
 
 def store_fits(con: duckdb.DuckDBPyConnection, fits: SweepFits) -> int:
     """Write (replace) the sweep's rows in ``fits``; returns the number of rows written."""
-    rows = [r for a in fits.archs for r in fit_rows(fits.sweep_id, a.arch, a.isoflop, a.parametric)]
-    add_fits(con, rows)
+    rows = [r for a in fits.archs for r in fit_rows(fits.sweep_id, a.arch, a.isoflop, a.parametric, a.forecasts)]
+    add_fits(con, fits.sweep_id, rows)
     return len(rows)
 
 
 # Files run_all may write into its output folder.
-OUTPUT_NAMES = ("fits.json", "isoflop.png", "frontier.png", "mod_normalized.png", "report.md")
+OUTPUT_NAMES = ("fits.json", "isoflop.png", "frontier.png", "forecast.png", "mod_normalized.png", "report.md")
 
 
 def _figures(long: pd.DataFrame, fits: SweepFits, out: Path, notes: list[str]) -> dict[str, Path]:
@@ -149,6 +152,9 @@ def _figures(long: pd.DataFrame, fits: SweepFits, out: Path, notes: list[str]) -
         "isoflop_plot": plots.plot_isoflop(long, iso, out / "isoflop.png", loss_col="loss"),
         "frontier_plot": plots.plot_frontier(iso, out / "frontier.png"),
     }
+    if any(a.forecasts for a in fits.archs):
+        casts = {a.arch: a.forecasts for a in fits.archs}
+        paths["forecast_plot"] = plots.plot_forecast(iso, casts, out / "forecast.png")
     if "dense" in set(long["arch"]) and long["arch"].nunique() > 1:
         try:
             paths["mod_plot"] = plots.plot_mod_normalized(long, out / "mod_normalized.png", loss_col="loss")
@@ -164,9 +170,7 @@ def run_all(
     sweep_id: str | None = None,
     out_dir: str | os.PathLike = "analysis_out",
     *,
-    n_boot: int = 200,
-    parametric_boot: int = 100,
-    seed: int = 0,
+    holdout: int = 1,
     store: bool = True,
     plots: bool = True,
     report: bool = True,
@@ -178,16 +182,14 @@ def run_all(
             (the sweep runner's: one process writes a store at a time).
         sweep_id: the sweep; None takes the sweep with the newest finished run.
         out_dir: folder for the outputs (created).
-        n_boot: bootstrap resamples for the isoFLOP power laws.
-        parametric_boot: bootstrap resamples for the parametric fit (each resample is two L-BFGS-B refits).
-        seed: bootstrap seed.
+        holdout: largest budgets each series forecasts from the others (0: no forecast).
         store: write the ``fits`` rows.
         plots: write the PNGs.
         report: write ``report.md``.
 
     Returns:
-        Paths written, keyed "fits_json", "isoflop_plot", "frontier_plot", "mod_plot" (when there are dense
-        runs and another arch) and "report".
+        Paths written, keyed "fits_json", "isoflop_plot", "frontier_plot", "forecast_plot" (when a series has a
+        forecast), "mod_plot" (when there are dense runs and another arch) and "report".
 
     Raises:
         AnalysisError: the sweep is unknown or has no finished runs.
@@ -198,7 +200,7 @@ def run_all(
             sid = resolve_sweep(con, sweep_id)
             points = load_points(con, sid)
             summary = sweep_summary(con, sid)
-        fits = fit_points(points, sid, n_boot=n_boot, parametric_boot=parametric_boot, seed=seed)
+        fits = fit_points(points, sid, holdout=holdout)
         if store:
             with session(db) as con:
                 store_fits(con, fits)

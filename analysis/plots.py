@@ -19,7 +19,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from analysis.errors import AnalysisError
-from analysis.records import IsoflopFit, PowerLaw
+from analysis.records import Forecast, IsoflopFit, PowerLaw
 
 DPI = 130
 
@@ -49,7 +49,7 @@ def _budget_label(c: float) -> str:
 
 def _fmt_ci(law: PowerLaw) -> str:
     if law.ci_exponent is None:
-        return f"{law.exponent:.3f}"
+        return f"{law.exponent:.3f} (interval not identified)"
     lo, hi = law.ci_exponent
     return f"{law.exponent:.3f} [{lo:.3f}, {hi:.3f}]"
 
@@ -120,7 +120,8 @@ def plot_frontier(fits: Mapping[str, IsoflopFit | None], out: str | os.PathLike)
         out: PNG path.
 
     Returns:
-        The PNG path. Filled markers are the vertices used by the power law, hollow ones were left out.
+        The PNG path. Filled markers are the vertices used by the power law, hollow ones were left out; the
+        shaded band is the law's 90% interval.
     """
     panels = (
         ("n_opt", "optimal parameters N*", "N*"),
@@ -148,6 +149,8 @@ def plot_frontier(fits: Mapping[str, IsoflopFit | None], out: str | os.PathLike)
             cs = np.array(fit.budgets_used)
             grid = np.geomspace(cs.min() / 1.5, cs.max() * 1.5, 50)
             ax.plot(grid, law(grid), color=color, lw=1.5, label=f"{arch}: {sym} ∝ C^{_fmt_ci(law)}")
+            if (band := law.interval(grid)) is not None:  # the law's 90% band (none when not identified)
+                ax.fill_between(grid, *band, color=color, alpha=0.15, lw=0)
             drawn = True
         if drawn:
             ax.set_xscale("log")
@@ -159,6 +162,44 @@ def plot_frontier(fits: Mapping[str, IsoflopFit | None], out: str | os.PathLike)
             ax.legend(fontsize="small")
         else:
             ax.text(0.5, 0.5, "no isoFLOP fit", transform=ax.transAxes, ha="center")
+    return _save(fig, out)
+
+
+def plot_forecast(
+    fits: Mapping[str, IsoflopFit | None], casts: Mapping[str, tuple[Forecast, ...]], out: str | os.PathLike
+) -> Path:
+    """Held-out budgets: each series' measured vertex losses against C, and at each held-out budget the two
+    approaches' predictions with their 90% prediction intervals (square: Approach 2, diamond: Approach 3).
+
+    Args:
+        fits: Approach 2 fit per series (its parabola vertices are the measured L*).
+        casts: forecasts per series; series without any are left out.
+        out: PNG path.
+    """
+    fig, (ax,) = _figure(1, panel_w=6.0)
+    colors = sns.color_palette("tab10")
+    shown = [(a, fc) for a, fc in sorted(casts.items()) if fc]
+    for i, (arch, fc) in enumerate(shown):
+        color = colors[i % len(colors)]
+        fit = fits.get(arch)
+        vert = [(p.budget, p.loss_opt) for p in (fit.parabolas if fit else ()) if p.vertex_inside]
+        if vert:
+            ax.plot(*zip(*vert), "o-", color=color, ms=4, lw=0.8, label=f"{arch}: measured L*")
+        for f in fc:
+            if f.loss_pred is None:
+                continue
+            x = f.budget * (0.93 if f.method == "isoflop" else 1.07)  # side by side at the held-out budget
+            yerr = None if f.loss_lo is None else [[f.loss_pred - f.loss_lo], [f.loss_hi - f.loss_pred]]
+            marker = "s" if f.method == "isoflop" else "D"
+            ax.errorbar([x], [f.loss_pred], yerr=yerr, fmt=marker, color=color, mfc="none", capsize=3)
+    ax.set_xscale("log")
+    ax.set_xlabel("training compute C (FLOPs)")
+    ax.set_ylabel("loss at the optimum L* (nats)")
+    ax.set_title("forecast of held-out budgets (□ Approach 2, ◇ Approach 3, 90%)")
+    if shown:
+        ax.legend(fontsize="small")
+    else:
+        ax.text(0.5, 0.5, "no forecast", transform=ax.transAxes, ha="center")
     return _save(fig, out)
 
 

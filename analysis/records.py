@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 CI = tuple[float, float]
+LEVEL = 0.9  # coverage of every interval the analysis states
 
 
 def plain(v: Any) -> Any:
@@ -75,24 +76,50 @@ class ParabolaFit:
 
 @dataclass(frozen=True)
 class PowerLaw:
-    """``y = k * C**exponent`` fitted by least squares in log-log.
+    """``y = k * C**exponent`` fitted by least squares in log10-log10, with t intervals from its residual scatter.
+
+    The scatter of the points about the line is the noise estimate: it holds the measurement noise of each point
+    and the misfit of the law alike, and it is what the data say; with two points there is none (``why``).
 
     Attributes:
         k: coefficient (units of y).
         exponent: power of C.
         n_points: budgets used.
-        ci_k: bootstrap (2.5, 97.5) percentile interval of k, or None without a bootstrap.
+        level: the intervals' coverage.
+        ci_k: ``level`` interval of k, or None when not identified.
         ci_exponent: the same for the exponent.
+        s: residual standard deviation of log10 y (dof = n_points - 2), or None.
+        x_mean: mean log10 C of the points.
+        sxx: sum of squared deviations of log10 C from ``x_mean``.
+        why: why there are no intervals ("" when there are).
     """
 
     k: float
     exponent: float
     n_points: int
+    level: float = LEVEL
     ci_k: CI | None = None
     ci_exponent: CI | None = None
+    s: float | None = None
+    x_mean: float = 0.0
+    sxx: float = 0.0
+    why: str = ""
 
     def __call__(self, c: np.ndarray | float) -> np.ndarray:
         return self.k * np.asarray(c, dtype=float) ** self.exponent
+
+    def interval(self, c: np.ndarray | float, *, predict: bool = False) -> tuple[np.ndarray, np.ndarray] | None:
+        """``level`` band of the law at budgets ``c`` (``predict``: of one new point measured there, such as a
+        held-out budget's vertex), or None when not identified."""
+        if self.s is None:
+            return None
+        from scipy import stats
+
+        x = np.log10(np.asarray(c, dtype=float))
+        se = self.s * np.sqrt(float(predict) + 1.0 / self.n_points + (x - self.x_mean) ** 2 / self.sxx)
+        t = stats.t.ppf(0.5 + self.level / 2, self.n_points - 2)
+        mid = np.log10(self(c))
+        return 10.0 ** (mid - t * se), 10.0 ** (mid + t * se)
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
@@ -109,9 +136,6 @@ class IsoflopFit:
         loss_opt: L*(C) power law, or None.
         budgets_used: budgets that entered the power laws.
         skipped: one-line notes on budgets left out and why.
-        n_boot: bootstrap resamples asked for.
-        n_boot_ok: resamples that gave power laws (the CIs are percentiles over these).
-        seed: bootstrap seed.
     """
 
     parabolas: tuple[ParabolaFit, ...]
@@ -120,9 +144,6 @@ class IsoflopFit:
     loss_opt: PowerLaw | None
     budgets_used: tuple[float, ...]
     skipped: tuple[str, ...] = ()
-    n_boot: int = 0
-    n_boot_ok: int = 0
-    seed: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
@@ -143,10 +164,13 @@ class ParametricFit:
         delta: Huber delta.
         n_starts: L-BFGS-B starts actually run (after pruning the grid).
         n_grid: size of the start grid that was evaluated.
-        ci: bootstrap (2.5, 97.5) percentile intervals keyed like the parameters ("E", ..., "a").
-        n_boot: bootstrap resamples asked for.
-        n_boot_ok: resamples whose refit converged.
-        seed: bootstrap seed.
+        identified: the data pin the five parameters down; when False, ``why`` says what failed and no number
+            of the fit is a result.
+        why: why the fit is not identified ("" when it is).
+        level: the intervals' coverage.
+        ci: ``level`` Wald t intervals keyed like the parameters ("E", ..., "a"); empty when not identified.
+        cov: [5, 5] covariance of theta = (ln E, ln A, ln B, alpha, beta); None when not identified.
+        s: residual standard deviation of ln L (dof = n_points - 5), or None.
     """
 
     E: float
@@ -159,10 +183,12 @@ class ParametricFit:
     delta: float = 1e-3
     n_starts: int = 0
     n_grid: int = 0
+    identified: bool = False
+    why: str = ""
+    level: float = LEVEL
     ci: dict[str, CI] = field(default_factory=dict)
-    n_boot: int = 0
-    n_boot_ok: int = 0
-    seed: int = 0
+    cov: tuple[tuple[float, ...], ...] | None = None
+    s: float | None = None
 
     @property
     def a(self) -> float:
@@ -174,6 +200,11 @@ class ParametricFit:
         """Predicted exponent of D*(C) ∝ C**b, b = alpha / (alpha + beta)."""
         return self.alpha / (self.alpha + self.beta)
 
+    @property
+    def theta(self) -> np.ndarray:
+        """[5] (ln E, ln A, ln B, alpha, beta): the fitted coordinates ``cov`` refers to."""
+        return np.array([np.log(self.E), np.log(self.A), np.log(self.B), self.alpha, self.beta])
+
     def predict(self, n: np.ndarray | float, d: np.ndarray | float) -> np.ndarray:
         """Loss predicted at parameter counts ``n`` and token counts ``d`` (broadcast together)."""
         n = np.asarray(n, dtype=float)
@@ -184,4 +215,54 @@ class ParametricFit:
         out = {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
         out["a"] = plain(self.a)
         out["b"] = plain(self.b)
+        return out
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """A fitted law's prediction of a budget it did not see, beside what was measured there.
+
+    The measured optimum is the held-out budget's own isoFLOP parabola vertex (``obs`` is None when that vertex
+    is not a minimum inside its sizes); the intervals are ``level`` prediction intervals of that measured value,
+    so they hold the measurement's noise as well as the law's uncertainty. None: not identified (``why``).
+
+    Attributes:
+        budget: the held-out budget C.
+        method: "isoflop" (Approach 2's power laws) or "parametric" (Approach 3's surface).
+        fit_budgets: budgets the law was fitted on.
+        level: the intervals' coverage.
+        loss_pred, loss_lo, loss_hi, loss_obs: optimum loss L* (nats).
+        n_pred, n_lo, n_hi, n_obs: optimal size N*.
+        d_pred, d_lo, d_hi, d_obs: optimal tokens D*.
+        why: why the prediction or its intervals are missing ("" when they are there).
+    """
+
+    budget: float
+    method: str
+    fit_budgets: tuple[float, ...]
+    level: float = LEVEL
+    loss_pred: float | None = None
+    loss_lo: float | None = None
+    loss_hi: float | None = None
+    loss_obs: float | None = None
+    n_pred: float | None = None
+    n_lo: float | None = None
+    n_hi: float | None = None
+    n_obs: float | None = None
+    d_pred: float | None = None
+    d_lo: float | None = None
+    d_hi: float | None = None
+    d_obs: float | None = None
+    why: str = ""
+
+    @property
+    def inside(self) -> bool | None:
+        """The measured L* lies within the loss interval (None: nothing to compare)."""
+        if None in (self.loss_obs, self.loss_lo, self.loss_hi):
+            return None
+        return bool(self.loss_lo <= self.loss_obs <= self.loss_hi)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        out["inside"] = self.inside
         return out

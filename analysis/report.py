@@ -44,10 +44,35 @@ def _runs_table(points: pd.DataFrame) -> list[str]:
     return _table(["series", "budget C (FLOPs)", "runs", "N range", "best loss (nats)", "N at best", "D at best"], rows)
 
 
-def _law_row(arch: str, name: str, law: PowerLaw | None, used: int, boot: str) -> list[str]:
+def _law_row(arch: str, name: str, law: PowerLaw | None, used: int) -> list[str]:
     if law is None:
-        return [arch, name, "–", "–", "–", "–", str(used), boot]
-    return [arch, name, _g(law.k), _g(law.exponent), _ci(law.ci_exponent), _ci(law.ci_k), str(used), boot]
+        return [arch, name, "–", "–", "–", "–", str(used)]
+    if law.ci_exponent is None:
+        return [arch, name, _g(law.k), _g(law.exponent), f"not identified ({law.why})", "not identified", str(used)]
+    return [arch, name, _g(law.k), _g(law.exponent), _ci(law.ci_exponent), _ci(law.ci_k), str(used)]
+
+
+def _pm(pred: float | None, lo: float | None, hi: float | None) -> str:
+    if pred is None:
+        return "not identified"
+    return f"{_g(pred)} [{_g(lo)}, {_g(hi)}]" if lo is not None else f"{_g(pred)} (interval not identified)"
+
+
+def _forecast_lines(fits: SweepFits) -> list[str]:
+    rows = []
+    for a in fits.archs:
+        for f in a.forecasts:
+            held = {None: "–", True: "yes", False: "**no**"}[f.inside]
+            rows.append([
+                a.arch, _g(f.budget, 3), f.method, ", ".join(_g(b, 3) for b in f.fit_budgets),
+                _pm(f.loss_pred, f.loss_lo, f.loss_hi), _g(f.loss_obs), held,
+                _pm(f.n_pred, f.n_lo, f.n_hi), _g(f.n_obs, 3), f.why or "–",
+            ])  # fmt: skip
+    if not rows:
+        return ["No forecast (a series needs the held-out budgets plus 2 more).", ""]
+    head = ["series", "held-out C", "method", "fitted on C", "L* predicted [90%]", "L* measured", "inside",
+            "N* predicted [90%]", "N* measured", "notes"]  # fmt: skip
+    return _table(head, rows)
 
 
 def build_report(
@@ -87,7 +112,8 @@ def build_report(
     lines += [
         "Robust (soft-L1) parabola of loss against ln N per budget; ★ inside = the vertex is a minimum lying",
         "within the sampled N range (only those budgets enter the power laws). D* is interpolated in",
-        "(ln N, ln D) between the budget's runs.",
+        "(ln N, ln D) between the budget's runs. One budget's vertex has no interval of its own (three sizes",
+        "leave no residual to estimate noise from); the power laws' intervals below hold its noise.",
         "",
     ]
     rows = []
@@ -101,23 +127,29 @@ def build_report(
     lines += _table(head, rows) if rows else ["No budget had 3 runs.", ""]
 
     lines += ["## Approach 2: power laws", ""]
+    lines += [
+        "Least squares in log-log over the inside vertices; 90% t intervals from the vertices' scatter about the",
+        "law (dof = budgets - 2): with 2 budgets there is no scatter and the intervals are not identified.",
+        "",
+    ]
     rows = []
     for a in fits.archs:
         iso = a.isoflop
         if iso is None:
             continue
-        boot = f"{iso.n_boot_ok}/{iso.n_boot}"
         used = len(iso.budgets_used)
-        rows.append(_law_row(a.arch, "N*(C)", iso.n_opt, used, boot))
-        rows.append(_law_row(a.arch, "D*(C)", iso.d_opt, used, boot))
-        rows.append(_law_row(a.arch, "L*(C)", iso.loss_opt, used, boot))
-    head = ["series", "law", "k", "exponent", "exponent 95% CI", "k 95% CI", "budgets", "bootstrap ok"]
+        rows.append(_law_row(a.arch, "N*(C)", iso.n_opt, used))
+        rows.append(_law_row(a.arch, "D*(C)", iso.d_opt, used))
+        rows.append(_law_row(a.arch, "L*(C)", iso.loss_opt, used))
+    head = ["series", "law", "k", "exponent", "exponent 90% interval", "k 90% interval", "budgets"]
     lines += _table(head, rows) if rows else ["No power laws (fewer than 2 budgets with an inside vertex).", ""]
 
     lines += ["## Approach 3: parametric fit L = E + A/N^α + B/D^β", ""]
     lines += [
-        "Huber (δ = 1e-3) on log-loss residuals, summed over runs; L-BFGS-B from the best starts of a grid;",
-        "bootstrap 95% intervals in brackets. a = β/(α+β) is the implied exponent of N*(C).",
+        "Huber (δ = 1e-3) on log-loss residuals, summed over runs; bounded L-BFGS-B from the best starts of a",
+        "grid; 90% Wald t intervals in brackets (dof = runs - 5). a = β/(α+β) is the implied exponent of N*(C).",
+        "A fit the data do not identify (fewer than 10 runs, a parameter on its bound, an interval wider than",
+        "its estimate) shows no numbers.",
         "",
     ]
     rows = []
@@ -125,16 +157,25 @@ def build_report(
         p = a.parametric
         if p is None:
             continue
-        cell = {
-            k: f"{_g(getattr(p, k))} {_ci(p.ci.get(k), 3)}" if p.ci else _g(getattr(p, k))
-            for k in ("E", "A", "B", "alpha", "beta", "a")
-        }
+        if not p.identified:
+            rows.append([a.arch, f"not identified: {p.why}", "", "", "", "", "", "", p.n_points])
+            continue
+        cell = {k: f"{_g(getattr(p, k))} {_ci(p.ci.get(k), 3)}" for k in ("E", "A", "B", "alpha", "beta", "a")}
         rows.append([
-            a.arch, cell["E"], cell["A"], cell["B"], cell["alpha"], cell["beta"], cell["a"],
-            _g(p.objective), p.n_points, f"{p.n_boot_ok}/{p.n_boot}",
+            a.arch, cell["E"], cell["A"], cell["B"], cell["alpha"], cell["beta"], cell["a"], _g(p.objective),
+            p.n_points,
         ])  # fmt: skip
-    head = ["series", "E", "A", "B", "α", "β", "a", "objective", "points", "bootstrap ok"]
+    head = ["series", "E", "A", "B", "α", "β", "a", "objective", "points"]
     lines += _table(head, rows) if rows else ["No parametric fit (too few runs).", ""]
+
+    lines += ["## Forecast of held-out budgets", ""]
+    lines += [
+        "Each law is fitted without the largest budget(s) and predicts their optimum; measured = the held-out",
+        "budget's own parabola vertex. Intervals are 90% prediction intervals of that measurement",
+        "(analysis/forecast.py says how each is made).",
+        "",
+    ]
+    lines += _forecast_lines(fits)
 
     figs = [(k, v) for k, v in figures.items() if k.endswith("_plot")]
     if figs:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import duckdb
 
 from analysis.errors import AnalysisError
-from analysis.records import IsoflopFit, ParametricFit
+from analysis.records import Forecast, IsoflopFit, ParametricFit
 from mixdepth.results import StoreError, Writer, connect, store_files, writer
 
 if TYPE_CHECKING:  # pandas is only needed once points are loaded (duckdb's .df() imports it)
@@ -136,12 +136,19 @@ def _fit_id(sweep_id: str | None, arch: str, method: str, budget: float | None =
 
 
 def fit_rows(
-    sweep_id: str | None, arch: str, isoflop: IsoflopFit | None, parametric: ParametricFit | None
+    sweep_id: str | None,
+    arch: str,
+    isoflop: IsoflopFit | None,
+    parametric: ParametricFit | None,
+    forecasts: tuple[Forecast, ...] = (),
 ) -> list[dict[str, Any]]:
-    """Rows for ``mixdepth.results.add_fits``: 'parabola' per budget, 'isoflop' power laws, 'parametric'.
+    """Rows for ``mixdepth.results.add_fits``: 'parabola' per budget, 'isoflop' power laws, 'parametric', and
+    'forecast:isoflop' / 'forecast:parametric' per held-out budget (``params`` the ``Forecast``, ``ci`` its
+    intervals).
 
     The 'isoflop' row is written even when no power law could be fitted (its laws are then null and
-    ``params.skipped`` says why), so a refit replaces an older row instead of leaving it stale.
+    ``params.skipped`` says why), so a refit replaces an older row instead of leaving it stale. A parametric
+    fit that is not identified has ``params.identified`` false, ``params.why`` and an empty ``ci``.
     """
     rows: list[dict[str, Any]] = []
     if isoflop is not None:
@@ -169,5 +176,13 @@ def fit_rows(
             "fit_id": _fit_id(sweep_id, arch, "parametric"), "sweep_id": sweep_id, "arch": arch,
             "method": "parametric", "budget": None, "params": {k: v for k, v in d.items() if k != "ci"},
             "ci": d["ci"], "n_points": parametric.n_points, "objective": parametric.objective,
+        })  # fmt: skip
+    for f in forecasts:
+        d = f.to_dict()
+        ci = {k: [d[f"{k}_lo"], d[f"{k}_hi"]] for k in ("loss", "n", "d") if d[f"{k}_lo"] is not None}
+        rows.append({
+            "fit_id": _fit_id(sweep_id, arch, f"forecast:{f.method}", f.budget), "sweep_id": sweep_id,
+            "arch": arch, "method": f"forecast:{f.method}", "budget": f.budget, "params": d, "ci": ci,
+            "n_points": None, "objective": None,
         })  # fmt: skip
     return rows

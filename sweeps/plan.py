@@ -36,7 +36,7 @@ def digest(obj: Any, n: int = 12) -> str:
 # so changing one resumes the same sweep and reuses every stored run.
 NOT_IDENTITY = {
     "train": ("progress", "devices", "num_nodes", "strategy", "ckpt_every", "ckpt_dir", "keep_ckpt"),
-    "sweep": ("name", "workers", "retries", "bootstrap", "storage", "heartbeat_interval", "grace_period"),
+    "sweep": ("name", "workers", "retries", "storage", "heartbeat_interval", "grace_period"),
 }
 
 

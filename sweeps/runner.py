@@ -218,7 +218,7 @@ def _run(
 
     from analysis.pipeline import run_all
 
-    written = run_all(store, sid, paths.reports / sid, n_boot=lab.sweep.bootstrap)
+    written = run_all(store, sid, paths.reports / sid)
     print(f"results: {paths.db}")
     for name, p in written.items():
         print(f"{name}: {p}")

@@ -54,13 +54,14 @@ def test_fit_csv_parametric_json(cli):
 
 def test_fit_csv_isoflop_json(cli):
     need_chinchilla()
-    res = cli("analysis", "fit-csv", str(CHINCHILLA), *CSV_ARGS, "--method", "isoflop", "--bootstrap", "10", "--json")
+    res = cli("analysis", "fit-csv", str(CHINCHILLA), *CSV_ARGS, "--method", "isoflop", "--json")
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert out["method"] == "isoflop" and out["c_bin_width"] == 0.1
     assert len(out["parabolas"]) > 10 and all("vertex_inside" in p for p in out["parabolas"])
     assert 0.4 < out["n_opt"]["exponent"] < 0.6  # Chinchilla's Approach 2 found 0.49
-    assert out["n_opt"]["ci_exponent"] is not None
+    lo, hi = out["n_opt"]["ci_exponent"]
+    assert lo < out["n_opt"]["exponent"] < hi and out["n_opt"]["level"] == 0.9
 
 
 def run_main(capsys, *args):
@@ -149,16 +150,14 @@ def test_fit_plot_report_commands(capsys, tmp_path):
     for row in fake_runs("s1", "dense", sizes_per_budget=4) + fake_runs("s2", "dense", budgets=(1e15,)):
         add_run(con, row, [])
     con.close()
-    rc, out, err = run_main(capsys, "fit", "--db", str(db), "--sweep", "s1", "--bootstrap", "5",
-                            "--parametric-bootstrap", "0")  # fmt: skip
+    rc, out, err = run_main(capsys, "fit", "--db", str(db), "--sweep", "s1", "--holdout", "0")
     assert rc == 0, err
     assert "sweep s1" in out and "wrote 5 fits rows" in out  # 3 parabolas + isoflop + parametric
     rc, out, err = run_main(capsys, "plot", "--db", str(db), "--sweep", "s1", "--out", str(tmp_path / "fig"))
     assert rc == 0, err
     assert (tmp_path / "fig" / "isoflop.png").is_file() and not (tmp_path / "fig" / "report.md").exists()
     before = db.read_bytes()
-    rc, out, err = run_main(capsys, "report", "--db", str(db), "--out", str(tmp_path / "rep"), "--bootstrap", "0",
-                            "--parametric-bootstrap", "0")  # fmt: skip
+    rc, out, err = run_main(capsys, "report", "--db", str(db), "--out", str(tmp_path / "rep"))
     assert rc == 0, err
     assert db.read_bytes() == before  # report is read-only without --store
     assert "sweep s2" in (tmp_path / "rep" / "report.md").read_text()  # default: the newest sweep

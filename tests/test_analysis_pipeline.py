@@ -27,7 +27,7 @@ def test_run_all_writes_fits_plots_and_report(tmp_path):
     rows += fake_runs("s1", "mod", budgets=(1e16,), sizes_per_budget=2, flops_scale=0.6, causal_offset=0.02)
     rows += [dict(rows[0], run_id="failed", status="diverged", val_loss=None)]
     make_store(db, rows)
-    paths = run_all(db, "s1", tmp_path / "out", n_boot=30, parametric_boot=5, seed=0)
+    paths = run_all(db, "s1", tmp_path / "out")
 
     assert {"fits_json", "isoflop_plot", "frontier_plot", "mod_plot", "report"} <= set(paths)
     for key in ("isoflop_plot", "frontier_plot", "mod_plot"):
@@ -37,7 +37,11 @@ def test_run_all_writes_fits_plots_and_report(tmp_path):
     fits = con.execute("SELECT arch, method, budget, params, ci, n_points FROM fits ORDER BY arch, method, budget").df()
     con.close()
     dense = fits[fits["arch"] == "dense"]
-    assert sorted(dense["method"]) == ["isoflop", "parabola", "parabola", "parabola", "parametric"]
+    assert sorted(dense["method"]) == [
+        "forecast:isoflop", "forecast:parametric", "isoflop", "parabola", "parabola", "parabola", "parametric"
+    ]  # fmt: skip
+    casts = dense[dense["method"].str.startswith("forecast:")]
+    assert list(casts["budget"]) == [1e17, 1e17]  # the largest budget, predicted from the other two
     assert set(fits["arch"]) == {"dense"}  # mod (2 runs) and mod:causal are too small for any fit
     iso = dense[dense["method"] == "isoflop"].iloc[0]
     params, ci = json.loads(iso["params"]), json.loads(iso["ci"])
@@ -56,10 +60,10 @@ def test_run_all_writes_fits_plots_and_report(tmp_path):
         assert needle in text, needle
     assert json.loads(paths["fits_json"].read_text())["sweep_id"] == "s1"
 
-    # a refit replaces rows instead of adding to them
-    run_all(db, None, tmp_path / "out2", n_boot=0, parametric_boot=0, plots=False)
+    # a refit replaces the sweep's rows: without a forecast, none of the old forecast rows is left
+    run_all(db, None, tmp_path / "out2", holdout=0, plots=False)
     con = connect(db, read_only=True)
-    assert con.execute("SELECT count(*) FROM fits").fetchall()[0][0] == len(fits)
+    assert con.execute("SELECT count(*) FROM fits").fetchall()[0][0] == len(fits) - 2
     con.close()
 
 
@@ -78,7 +82,7 @@ def test_run_all_with_one_budget_uses_the_callers_writer(tmp_path):
     db = tmp_path / "results.db"
     make_store(db, fake_runs("s1", "dense", budgets=(1e15,), sizes_per_budget=4))
     with writer(db) as w:  # the sweep runner's own Writer
-        paths = run_all(w, "s1", tmp_path / "out", n_boot=5, parametric_boot=0)
+        paths = run_all(w, "s1", tmp_path / "out")
     con = connect(db, read_only=True)
     methods = sorted(r[0] for r in con.execute("SELECT method FROM fits").fetchall())
     con.close()
@@ -115,5 +119,5 @@ def test_run_all_draws_a_frontier_with_no_vertex_at_all(tmp_path):
     rows = fake_runs("s1", "dense", budgets=(1e15,), sizes_per_budget=3)
     rows = [dict(r, val_loss=loss) for r, loss in zip(rows, (2.0, 2.5, 2.7), strict=True)]
     make_store(db, rows)
-    paths = run_all(db, "s1", tmp_path / "out", n_boot=5, parametric_boot=0)
+    paths = run_all(db, "s1", tmp_path / "out")
     assert paths["frontier_plot"].read_bytes()[:4] == b"\x89PNG"

@@ -189,7 +189,6 @@ def test_report_folder_holding_the_store_is_refused(cli, db):
         ("train.peak_flops=-1", "train.peak_flops"),
         ("train.lr=inf", "train.lr"),
         ("sweep.min_steps=0", "sweep.min_steps"),
-        ("sweep.bootstrap=-1", "sweep.bootstrap"),
         ("sweep.retries=-1", "sweep.retries"),
         ("sweep.archs=[]", "sweep.archs"),
         ("sweep.budgets=[inf]", "sweep.budgets"),
@@ -236,12 +235,12 @@ def test_gpu_accelerator_without_a_gpu(db, capsys):
 @pytest.mark.parametrize(
     "args",
     [
-        ["fit-csv", "x.csv", "--n-col", "N", "--c-col", "C", "--loss-col", "L", "--bootstrap", "-5"],
+        ["fit-csv", "x.csv", "--n-col", "N", "--c-col", "C", "--loss-col", "L", "--holdout", "-5"],
         ["fit-csv", "x.csv", "--n-col", "N", "--c-col", "C", "--loss-col", "L", "--n-starts", "-4"],
         ["fit-csv", "x.csv", "--n-col", "N", "--c-col", "C", "--loss-col", "L", "--c-bin-width", "nan"],
         ["fit-csv", "x.csv", "--n-col", "N", "--c-col", "C", "--loss-col", "L", "--drop-highest-loss", "-1"],
-        ["report", "--db", "x.db", "--out", "o", "--bootstrap", "-3"],
-        ["fit", "--db", "x.db", "--parametric-bootstrap", "-1"],
+        ["report", "--db", "x.db", "--out", "o", "--holdout", "-3"],
+        ["forecast", "--db", "x.db", "--holdout", "-1"],
     ],
 )
 def test_analysis_counts_are_checked(args, capsys):

@@ -26,7 +26,6 @@ ARGS = [
     "sweep.ladder=[{d_model: 16, n_layers: 1, n_heads: 2}, {d_model: 24, n_layers: 1, n_heads: 2},"
     " {d_model: 32, n_layers: 1, n_heads: 2}]",
     "sweep.min_steps=4",
-    "sweep.bootstrap=5",
     "sweep.workers=1",
     "train.batch_size=4",
     "train.threads=1",

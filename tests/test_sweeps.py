@@ -9,7 +9,6 @@ TINY = [
     "sweep.ladder=[{d_model: 16, n_layers: 1, n_heads: 2}, {d_model: 24, n_layers: 1, n_heads: 2},"
     " {d_model: 32, n_layers: 2, n_heads: 2}]",
     "sweep.min_steps=4",
-    "sweep.bootstrap=10",
     "data.seq_len=32",
     "data.max_bytes=300000",
     "data.val_tokens=2048",
@@ -37,10 +36,10 @@ def swept(tmp_path_factory, cli_env):
     cmd = [sys.executable, "-m", "sweeps", "isoflop", "--db", str(d / "r.db"), *TINY]
     # as a user's CPU run: no Triton interpreter (conftest sets it for the kernel tests), routed ops on torch
     env = {k: v for k, v in cli_env.items() if k != "TRITON_INTERPRET"}
-    # first under another label and bootstrap: fit and display keys are not the sweep's identity, so the rerun
-    # below (TINY's name and bootstrap) resumes the same sweep and retrains nothing
+    # first under another label and heartbeat: display and scheduling keys are not the sweep's identity, so the
+    # rerun below (TINY's name and the default heartbeat) resumes the same sweep and retrains nothing
     first = subprocess.run(
-        [*cmd, "sweep.name=draft", "sweep.bootstrap=3"], cwd=d, capture_output=True, text=True, timeout=900, env=env
+        [*cmd, "sweep.name=draft", "sweep.heartbeat_interval=5"], cwd=d, capture_output=True, text=True, timeout=900, env=env
     )
     con = duckdb.connect(str(d / "r.db"), read_only=True)
     created = con.execute("SELECT created_at FROM sweeps").fetchall()
@@ -102,10 +101,10 @@ def test_rerun_skips_finished_runs(swept):
 
 
 @pytest.mark.parametrize(
-    "setting", ["train.progress=false", "sweep.workers=1", "sweep.retries=0", "sweep.name=another", "sweep.bootstrap=7"]
+    "setting", ["train.progress=false", "sweep.workers=1", "sweep.retries=0", "sweep.name=another", "sweep.grace_period=99"]
 )
 def test_display_fit_and_scheduling_settings_do_not_change_the_sweep(setting):
-    """Only result-defining keys define a sweep: changing its label, bootstrap, workers, retries or progress bars
+    """Only result-defining keys define a sweep: changing its label, heartbeat, workers, retries or progress bars
     resumes the same sweep id and run ids (nothing retrained); a training key makes another sweep."""
     from pathlib import Path
 

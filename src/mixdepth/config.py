@@ -106,7 +106,6 @@ class SweepConfig:
     budgets: list[float] = field(default_factory=lambda: [1e12])  # training FLOPs C per grid point
     ladder: list[Shape] = field(default_factory=list)  # model sizes tried at every budget
     min_steps: int = 20  # grid points that would train fewer steps are left out of the plan
-    bootstrap: int = 200  # bootstrap resamples for fit confidence intervals
     workers: int = 1  # runs trained at once in spawned processes (CPU: cores/workers threads each; GPU: one per GPU)
     retries: int = 1  # with workers > 1: a run whose worker dies (or whose fit raises) is tried 1 + retries times
     storage: str = ""  # Optuna storage URL of the work queue; "": the journal file beside the database
@@ -259,7 +258,6 @@ PRECISIONS = ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true
 RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "sweep.name": (_is_name, NAME_RULE),  # a label in the store and the reports, never a path
     "sweep.min_steps": _count(1),
-    "sweep.bootstrap": _count(0),
     "sweep.workers": _count(1),
     "sweep.retries": _count(0),
     "sweep.heartbeat_interval": _count(1),

@@ -471,16 +471,13 @@ def add_runs(
             con.unregister("curves_df")
 
 
-def add_fits(con: duckdb.DuckDBPyConnection, rows: Iterable[Mapping[str, Any]]) -> None:
-    """Replace the fits of each (sweep_id, arch, method, budget) given, atomically."""
+def add_fits(con: duckdb.DuckDBPyConnection, sweep_id: str | None, rows: Iterable[Mapping[str, Any]]) -> None:
+    """Replace every fit of sweep ``sweep_id`` with ``rows``, atomically (a refit that no longer yields a row,
+    such as a forecast, leaves no stale one)."""
     rows = list(rows)
     with _transaction(con):
+        con.execute("DELETE FROM fits WHERE sweep_id IS NOT DISTINCT FROM ?", [sweep_id])
         for r in rows:
-            con.execute(
-                "DELETE FROM fits WHERE sweep_id IS NOT DISTINCT FROM ? AND arch = ? AND method = ?"
-                " AND budget IS NOT DISTINCT FROM ?",
-                [r.get("sweep_id"), r["arch"], r["method"], r.get("budget")],
-            )
             con.execute(
                 "INSERT INTO fits VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, now())",
                 [

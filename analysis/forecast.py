@@ -20,6 +20,7 @@ fitted law's uncertainty and the noise of the measurement.
 from __future__ import annotations
 
 import numpy as np
+from scipy import stats
 
 from analysis.errors import AnalysisError
 from analysis.isoflop import _as_1d, fit_isoflop, fit_parabola
@@ -60,16 +61,15 @@ def _vertices(u: np.ndarray, log_d: np.ndarray, loss: np.ndarray) -> tuple[np.nd
 def bent_law(c: np.ndarray, y: np.ndarray, c_new: float, level: float) -> tuple[float, float, float] | None:
     """Fit ``ln y = q2 (ln C)^2 + q1 ln C + q0`` by least squares; (prediction, lo, hi) of one new measurement at
     ``c_new`` (t prediction interval, dof = K - 3), or None with fewer than 4 budgets."""
-    from scipy import stats
-
     if c.size < 4:
         return None
-    x, v = np.log(c), np.log(y)
+    mid_x = np.log(c).mean()  # centred: (ln C)^2 of raw FLOPs would make X'X ill-conditioned
+    x, v = np.log(c) - mid_x, np.log(y)
     X = np.stack([x * x, x, np.ones_like(x)], axis=1)  # [K, 3]
     q = np.linalg.lstsq(X, v, rcond=None)[0]
     dof = c.size - 3
     s2 = float(((v - X @ q) ** 2).sum()) / dof
-    x0 = np.log(c_new)
+    x0 = np.log(c_new) - mid_x
     g = np.array([x0 * x0, x0, 1.0])
     se = np.sqrt(s2 * (1.0 + g @ np.linalg.solve(X.T @ X, g)))
     t = float(stats.t.ppf(0.5 + level / 2, dof))

@@ -14,7 +14,9 @@ fitted law's uncertainty and the noise of the measurement.
   sizes and tokens; the prediction is the vertex of the parabola through those predicted losses, what that
   budget's runs would measure if the law held. Intervals: ``draws`` parameter vectors from the fit's
   multivariate t (its covariance, dof = P - 5), each with the runs' noise added (the fit's residual scale,
-  log-normal), each measured by the same parabola; the percentiles of those vertices.
+  log-normal), each measured by the same parabola; the percentiles of those vertices, among the draws whose
+  parabola has a minimum (the comparison is made only where a vertex was measured; fewer than half such
+  draws: not identified).
 """
 
 from __future__ import annotations
@@ -125,15 +127,15 @@ def _parametric(
         noisy = surface * np.exp(scale[:, None] * fit.s * rng.standard_normal(surface.shape))
     point = _vertices(u, log_d, fit.predict(n_h, d_h)[None, :])
     sims = _vertices(u, log_d, noisy)
-    bad = float(np.mean(~np.isfinite(sims[0])))
+    ok = np.isfinite(sims[0])  # draws whose parabola has a minimum: a vertex was measured, as it was here
     out = {f"{k}_pred": float(v[0]) if np.isfinite(v[0]) else None for k, v in zip(("loss", "n", "d"), point)}
     if out["loss_pred"] is None:
         return Forecast(**base, why="the law's losses at this budget's sizes have no minimum")
-    if bad > (1 - level) / 2:
-        return Forecast(**base, **out, why=f"intervals not identified: {bad:.0%} of draws have no minimum")
+    if ok.mean() < 0.5:
+        return Forecast(**base, **out, why=f"intervals not identified: {1 - ok.mean():.0%} of draws have no minimum")
     q = 100 * np.array([(1 - level) / 2, (1 + level) / 2])
     for k, v in zip(("loss", "n", "d"), sims):
-        lo, hi = np.nanpercentile(v, q)  # a draw without a minimum lies beyond either end: counted as missing
+        lo, hi = np.percentile(v[ok], q)
         out[f"{k}_lo"], out[f"{k}_hi"] = float(lo), float(hi)
     return Forecast(**base, **out)
 
@@ -162,24 +164,27 @@ def forecast(
         seed: seed of those draws.
 
     Returns:
-        Per held-out budget (ascending), the isoflop forecast then the parametric one.
+        Per held-out budget (ascending), the isoflop forecast then the parametric one. The held-out budgets are
+        the largest ``holdout`` that have 3 distinct sizes (a vertex to measure); the laws are fitted on the
+        points of smaller budgets only.
 
     Raises:
-        AnalysisError: bad values, ``holdout`` < 1, fewer than ``holdout`` + 2 budgets, or a held-out budget
-            with fewer than 3 distinct sizes (nothing measured to compare with).
+        AnalysisError: bad values, ``holdout`` < 1, or fewer than ``holdout`` + 2 budgets with 3 distinct sizes.
     """
     n = _as_1d("n", n)
     c = _as_1d("c", c, n.size)
     loss = _as_1d("loss", loss, n.size)
     d = c / (6.0 * n) if d is None else _as_1d("d", d, n.size)
-    budgets = np.unique(c)
     if holdout < 1:
         raise AnalysisError(f"holdout must be at least 1, got {holdout}")
+    budgets = np.array([b for b in np.unique(c) if np.unique(n[c == b]).size >= 3])  # those with a vertex
     if budgets.size < holdout + 2:
-        raise AnalysisError(f"a forecast of {holdout} budget(s) needs {holdout + 2} budgets, got {budgets.size}")
+        raise AnalysisError(
+            f"a forecast of {holdout} budget(s) needs {holdout + 2} budgets with 3 distinct sizes, got {budgets.size}"
+        )
     held = budgets[-holdout:]
     train = c < held[0]
-    fit_budgets = tuple(float(b) for b in budgets[:-holdout])
+    fit_budgets = tuple(float(b) for b in np.unique(c[train]))
     try:
         par = fit_parametric(n[train], d[train], loss[train], level=level)
     except AnalysisError as e:
@@ -188,8 +193,6 @@ def forecast(
     out = []
     for k, b in enumerate(held):
         i = c == b
-        if np.unique(n[i]).size < 3:
-            raise AnalysisError(f"held-out budget {b:.3g} has {np.unique(n[i]).size} distinct sizes, needs 3")
         obs = _observed(fit_parabola(n[i], loss[i], float(b), d[i]))
         out.append(_isoflop(n[train], c[train], loss[train], d[train], float(b), fit_budgets, obs, level))
         if par is None:

@@ -64,6 +64,20 @@ def test_fit_csv_isoflop_json(cli):
     assert lo < out["n_opt"]["exponent"] < hi and out["n_opt"]["level"] == 0.9
 
 
+def test_fit_csv_forecast_json(cli):
+    """``--holdout 1``: the largest Chinchilla budget with three sizes, predicted by both approaches from the rest."""
+    need_chinchilla()
+    res = cli("analysis", "fit-csv", str(CHINCHILLA), *CSV_ARGS, "--holdout", "1", "--json")
+    assert res.returncode == 0, res.stderr
+    casts = json.loads(res.stdout)["forecast"]
+    assert [f["method"] for f in casts] == ["isoflop", "parametric"]
+    keys = ("budget", "method", "loss_pred", "loss_lo", "loss_hi", "loss_obs", "n_pred", "n_obs")
+    for f in casts:
+        assert set(keys) <= set(f) and f["budget"] == casts[0]["budget"] > max(f["fit_budgets"])
+        assert f["loss_lo"] < f["loss_pred"] < f["loss_hi"] and 2.0 < f["loss_obs"] < 2.5, f
+        assert f["n_obs"] > 1e9 and f["inside"] == (f["loss_lo"] <= f["loss_obs"] <= f["loss_hi"])
+
+
 def run_main(capsys, *args):
     """The CLI in-process (same code path as ``python -m analysis``), as (exit code, stdout, stderr)."""
     try:
@@ -161,6 +175,14 @@ def test_fit_plot_report_commands(capsys, tmp_path):
     assert rc == 0, err
     assert db.read_bytes() == before  # report is read-only without --store
     assert "sweep s2" in (tmp_path / "rep" / "report.md").read_text()  # default: the newest sweep
+    rc, out, err = run_main(capsys, "forecast", "--db", str(db), "--sweep", "s1", "--json")
+    assert rc == 0, err
+    (dense,) = json.loads(out)["dense"][:1]  # the largest budget from the two others, Approach 2 first
+    assert dense["budget"] == 1e17 and dense["method"] == "isoflop" and dense["loss_obs"] > 0
+    assert dense["n_lo"] is None and "not identified" in dense["why"]  # two fitted budgets: no scatter
+    assert db.read_bytes() == before  # forecast is read-only
+    rc, out, err = run_main(capsys, "forecast", "--db", str(db), "--sweep", "s2")
+    assert rc == 0 and "forecast skipped" in out  # one budget: nothing to hold out
     rc, _, err = run_main(capsys, "fit", "--db", str(db), "--sweep", "nope")
     assert rc == 1 and err.startswith("error: sweep 'nope' has no finished runs")
 

@@ -51,6 +51,11 @@ class ParabolaFit:
         n_points: points the parabola was fitted to.
         n_min: smallest sampled N of the budget.
         n_max: largest sampled N of the budget.
+        level: coverage of the vertex intervals.
+        ci_n_opt: ``level`` interval of n_opt (``isoflop.vertex_intervals``), or None when not identified.
+        ci_d_opt: the same for d_opt.
+        ci_loss_opt: the same for loss_opt.
+        why: why the vertex has no intervals ("" when it has).
     """
 
     budget: float
@@ -63,6 +68,11 @@ class ParabolaFit:
     n_points: int
     n_min: float
     n_max: float
+    level: float = LEVEL
+    ci_n_opt: CI | None = None
+    ci_d_opt: CI | None = None
+    ci_loss_opt: CI | None = None
+    why: str = ""
 
     def predict(self, n: np.ndarray | float) -> np.ndarray:
         """Loss of the fitted parabola at parameter counts ``n`` (any shape)."""

@@ -62,7 +62,8 @@ def vertex_intervals(
     The coefficients' covariance is s^2 (X'X)^-1 with s^2 the residuals' mean square (dof = P - 3), so it holds
     the runs' noise and the parabola's misfit alike; ln N* = mu + sd * (-q1 / (2 q2)) and L* = q0 - q1^2 / (4 q2)
     get t intervals by the delta method. That linearisation holds only while the curvature is well away from 0:
-    a curvature whose own interval reaches 0 leaves the vertex not identified.
+    a curvature whose own interval reaches 0 leaves the vertex not identified. The interval is the parabola's
+    vertex's: a lopsided loss curve shifts that vertex from the curve's minimum, and no residual shows it.
 
     Args:
         X: [P, 3] design (z^2, z, 1) in standardised z = (ln N - mu) / sd.

@@ -29,8 +29,13 @@ from analysis.records import Forecast, IsoflopFit, ParametricFit, ParametricFron
 
 DPI = 130
 Color = tuple[float, float, float]
-ARCH_COLORS: dict[str, Color] = dict(zip(("dense", "mod", "moda", "mode"), sns.color_palette("tab10")[:4], strict=True))
-_OTHER_COLORS: tuple[Color, ...] = tuple(sns.color_palette("tab10")[4:7] + sns.color_palette("tab10")[8:])
+_TAB10 = sns.color_palette("tab10")
+# The archs of conf/model/: fixed colours (a variant near its family's where tab10 allows; grey is left for guides).
+ARCH_COLORS: dict[str, Color] = {
+    "dense": _TAB10[0], "mod": _TAB10[1], "moda": _TAB10[2], "mode": _TAB10[3], "moda_post": _TAB10[4],
+    "mod_random": _TAB10[5], "mode_integrated": _TAB10[6], "moda_attn": _TAB10[8], "dense_post": _TAB10[9],
+}  # fmt: skip
+_OTHER_COLORS: tuple[Color, ...] = tuple(sns.color_palette("husl", 12))  # any other arch: by a hash of its name
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "h")
 CAUSAL_TINT = 0.45  # an ``<arch>:causal`` series: its arch's colour this far toward white
 
@@ -42,8 +47,9 @@ def _toward_white(color: Color, amount: float) -> Color:
 def series_color(series: str) -> Color:
     """The colour of a fit series (an arch, or ``<arch>:causal``) in every figure.
 
-    The registry's archs have fixed colours; any other arch takes one of the remaining palette colours by a hash
-    of its name. So a series' colour depends on its name only, never on which other series a figure shows.
+    The archs of conf/model/ have fixed colours (``ARCH_COLORS``); any other arch takes a colour of another palette
+    by a hash of its name (it may resemble a fixed one). So a series' colour depends on its name only, never on
+    which other series a figure shows.
     ``<arch>:causal`` is its arch's colour tinted toward white (``CAUSAL_TINT``).
     """
     arch, _, variant = series.partition(":")

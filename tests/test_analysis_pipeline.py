@@ -2,6 +2,7 @@
 
 import colorsys
 import json
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -157,8 +158,10 @@ def has_color(png, rgb, tol=1.5 / 255):
 
 def test_series_colors_depend_on_the_name_only():
     assert palette(["dense", "mod"])["mod"] == palette(["mod", "moda", "zeta"])["mod"] == series_color("mod")
-    assert series_color("mod") == ARCH_COLORS["mod"] and len(set(ARCH_COLORS.values())) == 4
-    for arch in ("dense", "mod", "moda", "mode", "zeta"):
+    models = {p.stem for p in (Path(__file__).resolve().parents[1] / "conf" / "model").glob("*.yaml")}
+    assert set(ARCH_COLORS) == models  # every arch a sweep can name has a fixed colour, each its own
+    assert series_color("mod") == ARCH_COLORS["mod"] and len(set(ARCH_COLORS.values())) == len(ARCH_COLORS)
+    for arch in (*ARCH_COLORS, "zeta"):
         h, lum, _ = colorsys.rgb_to_hls(*series_color(arch))
         hc, lum_c, _ = colorsys.rgb_to_hls(*series_color(f"{arch}:causal"))
         assert hc == pytest.approx(h, abs=1e-9) and lum_c > lum  # the same hue, lighter

@@ -102,14 +102,17 @@ def resolve_sweep(con: duckdb.DuckDBPyConnection, sweep_id: str | None) -> str |
 
 
 def _columns_of(con: duckdb.DuckDBPyConnection, relation: str) -> set[str]:
-    rows = con.execute("SELECT column_name FROM information_schema.columns WHERE table_name = ?", [relation])
+    rows = con.execute(
+        "SELECT column_name FROM information_schema.columns WHERE table_schema = 'main' AND table_name = ?",
+        [relation],
+    )
     return {r[0] for r in rows.fetchall()}
 
 
 def _optional(con: duckdb.DuckDBPyConnection, relation: str, names: tuple[str, ...]) -> str:
     """Select list of ``names``: the column where ``relation`` has it, else a NULL of that name."""
     have = _columns_of(con, relation)
-    return ", ".join(n if n in have else f"NULL AS {n}" for n in names)
+    return ", ".join(f'"{n}"' if n in have else f'NULL AS "{n}"' for n in names)  # quoted: "commit" is a keyword
 
 
 def load_points(con: duckdb.DuckDBPyConnection, sweep_id: str | None) -> pd.DataFrame:

@@ -30,7 +30,7 @@ from analysis.records import Forecast, IsoflopFit, ParametricFit, ParametricFron
 DPI = 130
 Color = tuple[float, float, float]
 _TAB10 = sns.color_palette("tab10")
-# The archs of conf/model/: fixed colours (a variant near its family's where tab10 allows; grey is left for guides).
+# The archs of conf/model/, each a fixed colour of its own (tab10; its grey is left for reference lines).
 ARCH_COLORS: dict[str, Color] = {
     "dense": _TAB10[0], "mod": _TAB10[1], "moda": _TAB10[2], "mode": _TAB10[3], "moda_post": _TAB10[4],
     "mod_random": _TAB10[5], "mode_integrated": _TAB10[6], "moda_attn": _TAB10[8], "dense_post": _TAB10[9],

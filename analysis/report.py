@@ -62,6 +62,8 @@ def _header_lines(fits: SweepFits, summary: Mapping[str, Any]) -> list[str]:
     counts = ", ".join(f"{k}: {v}" for k, v in by_status.items()) or "none"
     if planned is None:
         done = f"**{finished} runs finished; planned count unknown** (the store does not record the plan)"
+    elif finished > planned:
+        done = f"**{finished} runs finished; {planned} planned** (sizes added to bracket an optimum come on top)"
     else:
         done = f"**{finished} of {planned} planned runs finished**"
     lines = [
@@ -75,8 +77,6 @@ def _header_lines(fits: SweepFits, summary: Mapping[str, Any]) -> list[str]:
             f"- **Partial sweep**: {planned - finished} planned runs have not finished; every fit below uses only"
             " the runs that did"
         )
-    elif planned is not None and finished > planned:
-        lines.append(f"- {finished - planned} runs beyond the plan (sizes added to bracket an optimum)")
     lines += [
         f"- name: {summary.get('name') or '–'}; preset: {summary.get('preset') or '–'};"
         f" created: {summary.get('created_at') or '–'}; devices: {', '.join(summary.get('devices') or []) or '–'}",
@@ -96,11 +96,12 @@ def _provenance_lines(summary: Mapping[str, Any]) -> list[str]:
         return missing if v is None or v == "" else str(v)
 
     command = summary.get("command")
+    no_commit = "none (not run from a git checkout)" if summary.get("version") else "not recorded"
     lines = [
         "## Provenance",
         "",
         f"- mixdepth version: {known('version')}",
-        f"- git commit: {known('commit', 'not recorded (none outside a git checkout)')}",
+        f"- git commit: {known('commit', no_commit)}",
         f"- command line: {'not recorded' if not command else '`' + redact(str(command)) + '`'}",
     ]
     for sw in summary.get("software") or []:
@@ -150,7 +151,7 @@ def _parabola_row(arch: str, p: ParabolaFit) -> list[Any]:
 
 def _law_row(arch: str, name: str, law: PowerLaw | None, used: int) -> list[str]:
     if law is None:
-        return [arch, name, "–", "–", str(used)]
+        return [arch, name, "not identified (fewer than 2 budgets with an inside vertex)", "not identified", str(used)]
     if law.ci_exponent is None:
         return [arch, name, f"{_g(law.k)} (not identified: {law.why})", f"{_g(law.exponent)} (not identified)",
                 str(used)]  # fmt: skip
@@ -225,10 +226,9 @@ def _noise_lines(points: pd.DataFrame) -> list[str]:
     ]
     if not any(r["sd"] is not None for r in spread):
         lines += [
-            "No grid point was trained with more than one seed: the noise floor is not measured",
-            "(sweep.seeds).",
+            "No grid point was trained with more than one seed: the noise floor is not measured (sweep.seeds).",
+            "",
         ]
-        lines.append("")
     else:
         rows = [
             [_g(r["budget"], 3), _with_ci(r["sd"], (r["lo"], r["hi"]) if r["sd"] is not None else None, 3),
@@ -344,12 +344,8 @@ def build_report(
 
     figs = [(k, v) for k, v in figures.items() if k.endswith("_plot")]
     if figs:
-        lines += [
-            "## Figures",
-            "",
-            "Colour is the arch in every figure (`:causal` a lighter tint); marker is the budget.",
-            "",
-        ]
+        legend = "Colour is the arch in every figure (`:causal` a lighter tint of it); marker is the budget."
+        lines += ["## Figures", "", legend, ""]
         for name, path in figs:
             rel = os.path.relpath(path, base) if base is not None else str(path)
             lines += [f"![{name}]({rel})", ""]

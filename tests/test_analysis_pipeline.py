@@ -243,3 +243,24 @@ def test_report_of_a_partial_sweep_states_provenance_and_an_interval_for_every_e
 def test_redact_hides_url_passwords_only():
     assert redact("a postgresql+psycopg://u:p%40ss@h:5/db b") == "a postgresql+psycopg://u:***@h:5/db b"
     assert redact("sqlite:///x.db and mysql://u@h/db") == "sqlite:///x.db and mysql://u@h/db"
+
+
+@pytest.mark.parametrize(
+    "summary, needles",
+    [
+        ({"finished": 5}, ["**5 runs finished; planned count unknown**", "git commit: not recorded",
+                           "resolved config: not recorded"]),
+        ({"finished": 7, "planned": 5, "version": "0.4.0"}, ["**7 runs finished; 5 planned** (sizes added",
+                                                             "git commit: none (not run from a git checkout)"]),
+        ({"finished": 5, "planned": 5, "runs_by_status": {"ok": 4, "diverged": 1, "unknown": 2}},
+         ["**5 of 5 planned runs finished**", "ok: 4, diverged: 1;", "2 runs recorded without a status"]),
+    ],
+)  # fmt: skip
+def test_report_header_says_how_complete_the_sweep_is(summary, needles):
+    from analysis.pipeline import SweepFits
+    from analysis.report import build_report
+
+    text = build_report(SweepFits("s1", ()), pd.DataFrame(), {"sweep_id": "s1", **summary}, {})
+    for needle in needles:
+        assert needle in text, needle
+    assert ("Partial sweep" in text) == (summary.get("planned", 0) > summary["finished"])

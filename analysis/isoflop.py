@@ -11,6 +11,8 @@ lab's exact FLOPs (D = C / (3 * flops_per_token(N))) it follows the real per-arc
 without needing the FLOP formula here.
 
 Intervals: t intervals of each power law from the scatter of the vertices about it (``records.PowerLaw``).
+One budget's vertex has its own intervals only when its runs leave residuals to estimate noise from
+(``vertex_intervals``: at least ``MIN_VERTEX_POINTS`` runs, so dof = runs - 3 >= 2).
 A percentile bootstrap over runs cannot be used: with three sizes per budget every resample that still has
 three distinct sizes is the data itself, and the interval collapses onto the estimate. The vertices' scatter
 holds their measurement noise and the parabola's misfit alike; with two budgets there is none to estimate and
@@ -25,7 +27,9 @@ from scipy.optimize import least_squares
 from threadpoolctl import threadpool_limits
 
 from analysis.errors import AnalysisError
-from analysis.records import LEVEL, IsoflopFit, ParabolaFit, PowerLaw
+from analysis.records import CI, LEVEL, IsoflopFit, ParabolaFit, PowerLaw
+
+MIN_VERTEX_POINTS = 5  # runs of one budget before its vertex gets intervals: 2 residual dof
 
 
 def _as_1d(name: str, v: np.ndarray | list[float], size: int | None = None) -> np.ndarray:
@@ -50,6 +54,47 @@ def _interp_loglog(u: np.ndarray, v: np.ndarray, u0: float) -> float:
     return float(np.interp(u0, uu, vv))
 
 
+def vertex_intervals(
+    X: np.ndarray, q: np.ndarray, loss: np.ndarray, mu: float, sd: float, level: float
+) -> tuple[CI, CI, str]:
+    """``level`` intervals of a parabola's vertex, (ln N*, L*) from its residual scatter, or the reason there are none.
+
+    The coefficients' covariance is s^2 (X'X)^-1 with s^2 the residuals' mean square (dof = P - 3), so it holds
+    the runs' noise and the parabola's misfit alike; ln N* = mu + sd * (-q1 / (2 q2)) and L* = q0 - q1^2 / (4 q2)
+    get t intervals by the delta method. That linearisation holds only while the curvature is well away from 0:
+    a curvature whose own interval reaches 0 leaves the vertex not identified. The interval is the parabola's
+    vertex's: a lopsided loss curve shifts that vertex from the curve's minimum, and no residual shows it.
+
+    Args:
+        X: [P, 3] design (z^2, z, 1) in standardised z = (ln N - mu) / sd.
+        q: [3] fitted (q2, q1, q0) in z.
+        loss: [P] losses.
+        mu: mean of ln N.
+        sd: standard deviation of ln N.
+        level: coverage.
+
+    Returns:
+        (ln N* interval, L* interval, why): the intervals are (nan, nan) when ``why`` is not empty.
+    """
+    none = (float("nan"), float("nan"))
+    p, dof = X.shape[0], X.shape[0] - 3
+    if p < MIN_VERTEX_POINTS:
+        why = "3 runs: the parabola passes through them, no residual" if p == 3 else f"{p} runs: {dof} residual dof"
+        return none, none, f"{why} (needs {MIN_VERTEX_POINTS} runs)"
+    r = X @ q - loss
+    s2 = float(r @ r) / dof
+    cov = s2 * np.linalg.inv(X.T @ X)  # [3, 3]
+    t = float(stats.t.ppf(0.5 + level / 2, dof))
+    q2, q1, q0 = (float(v) for v in q)
+    if not q2 - t * np.sqrt(cov[0, 0]) > 0:
+        return none, none, "the curvature's interval reaches 0"
+    g_u = sd * np.array([q1 / (2 * q2 * q2), -1 / (2 * q2), 0.0])  # d ln N* / d q
+    g_l = np.array([q1 * q1 / (4 * q2 * q2), -q1 / (2 * q2), 1.0])  # d L* / d q
+    u, l_star = mu - sd * q1 / (2 * q2), q0 - q1 * q1 / (4 * q2)
+    hu, hl = t * float(np.sqrt(g_u @ cov @ g_u)), t * float(np.sqrt(g_l @ cov @ g_l))
+    return (u - hu, u + hu), (l_star - hl, l_star + hl), ""
+
+
 def fit_parabola(
     n: np.ndarray,
     loss: np.ndarray,
@@ -58,6 +103,7 @@ def fit_parabola(
     *,
     f_scale: float | None = None,
     robust_loss: str = "soft_l1",
+    level: float = LEVEL,
 ) -> ParabolaFit:
     """Fit ``loss = c2 (ln N)^2 + c1 ln N + c0`` robustly for one budget.
 
@@ -69,6 +115,7 @@ def fit_parabola(
         f_scale: residual scale (nats) where the robust loss turns linear; None estimates it as
             1.4826 * MAD of the ordinary least-squares residuals, floored at 1e-4.
         robust_loss: a ``least_squares`` loss: "soft_l1", "huber", "cauchy", "arctan" or "linear".
+        level: coverage of the vertex intervals (``vertex_intervals``; only for a vertex inside the sizes).
 
     Returns:
         The parabola and its vertex.
@@ -111,6 +158,14 @@ def fit_parabola(
         loss_opt = float(q0c - q1 * q1 / (4.0 * q2)) if q2 != 0 else np.nan
         d_opt = float(np.exp(_interp_loglog(u, np.log(d), u_star))) if np.isfinite(u_star) else np.nan
     inside = bool(q2 > 0 and u.min() <= u_star <= u.max())
+    ci: dict = {}
+    why = "the vertex is not a minimum inside the sampled sizes"
+    if inside:
+        ci_u, ci_l, why = vertex_intervals(X, np.asarray(q, dtype=float), loss, mu, s, level)
+        if not why:
+            ends = sorted(float(np.exp(_interp_loglog(u, np.log(d), v))) for v in ci_u)
+            ci = {"ci_n_opt": (float(np.exp(ci_u[0])), float(np.exp(ci_u[1]))), "ci_d_opt": tuple(ends),
+                  "ci_loss_opt": (float(ci_l[0]), float(ci_l[1]))}  # fmt: skip
     return ParabolaFit(
         budget=float(budget),
         coef=(c2, c1, c0),
@@ -122,6 +177,9 @@ def fit_parabola(
         n_points=int(n.size),
         n_min=float(n.min()),
         n_max=float(n.max()),
+        level=level,
+        **ci,
+        why=why,
     )
 
 
@@ -210,7 +268,7 @@ def fit_isoflop(
         if idx.size < min_points or n_distinct < 3:
             skipped.append(f"budget {b:.3g}: {idx.size} points ({n_distinct} distinct N), need {min_points}")
             continue
-        fits.append(fit_parabola(n[idx], loss[idx], b, d[idx], f_scale=f_scale))
+        fits.append(fit_parabola(n[idx], loss[idx], b, d[idx], f_scale=f_scale, level=level))
     if not fits:
         raise AnalysisError(f"no budget has at least {min_points} points with 3 distinct N")
     for f in fits:

@@ -20,9 +20,10 @@ import pandas as pd
 from analysis.errors import AnalysisError
 from analysis.forecast import forecast
 from analysis.isoflop import fit_isoflop
+from analysis.optimal import compute_optimal
 from analysis.parametric import fit_parametric
-from analysis.records import Forecast, IsoflopFit, ParametricFit, plain
-from analysis.store import fit_rows, held, load_points, resolve_sweep, session, sweep_summary
+from analysis.records import Forecast, IsoflopFit, ParametricFit, ParametricFrontier, plain
+from analysis.store import fit_rows, held, load_curves, load_points, resolve_sweep, session, sweep_summary
 from mixdepth.results import Writer, add_fits
 
 MIN_PARAMETRIC_POINTS = 6
@@ -38,6 +39,8 @@ class ArchFits:
         n_points: usable points.
         isoflop: Approach 2, or None when no budget had 3 points.
         parametric: Approach 3, or None with too few points.
+        optimal: Approach 3's compute-optimal frontier (``analysis.optimal``), or None when the parametric fit
+            is missing or not identified.
         forecasts: the largest ``holdout`` budgets predicted from the others (``analysis.forecast``).
         notes: one line per thing skipped and why.
     """
@@ -47,6 +50,7 @@ class ArchFits:
     n_points: int
     isoflop: IsoflopFit | None
     parametric: ParametricFit | None
+    optimal: ParametricFrontier | None = None
     forecasts: tuple[Forecast, ...] = ()
     notes: tuple[str, ...] = ()
 
@@ -90,7 +94,7 @@ def _fit_series(arch: str, pts: pd.DataFrame, loss_col: str, holdout: int) -> Ar
     if len(usable) < len(pts):
         notes.append(f"{len(pts) - len(usable)} runs without N, D or loss left out")
     n, d, c, loss = (usable[k].to_numpy(float) for k in ("n", "d", "budget", "loss"))
-    iso = par = None
+    iso = par = opt = None
     casts: tuple[Forecast, ...] = ()
     try:
         iso = fit_isoflop(n, c, loss, d)
@@ -104,14 +108,18 @@ def _fit_series(arch: str, pts: pd.DataFrame, loss_col: str, holdout: int) -> Ar
             par = fit_parametric(n, d, loss)
             if not par.identified:
                 notes.append(f"parametric fit not identified: {par.why}")
+            else:
+                opt = compute_optimal(par, n, d, c)
+                if opt.why:
+                    notes.append(f"Approach 3 frontier: {opt.why}")
         except AnalysisError as e:
-            notes.append(f"parametric fit skipped: {e}")
+            notes.append(f"parametric fit skipped: {e}" if par is None else f"Approach 3 frontier skipped: {e}")
     if holdout:
         try:
             casts = forecast(n, c, loss, d, holdout=holdout)
         except AnalysisError as e:
             notes.append(f"forecast skipped: {e}")
-    return ArchFits(arch, loss_col, len(usable), iso, par, casts, tuple(notes))
+    return ArchFits(arch, loss_col, len(usable), iso, par, opt, casts, tuple(notes))
 
 
 def fit_points(
@@ -141,16 +149,19 @@ def store_fits(con: duckdb.DuckDBPyConnection, fits: SweepFits) -> int:
 
 
 # Files run_all may write into its output folder.
-OUTPUT_NAMES = ("fits.json", "isoflop.png", "frontier.png", "forecast.png", "mod_normalized.png", "report.md")
+OUTPUT_NAMES = (
+    "fits.json", "isoflop.png", "frontier.png", "forecast.png", "mod_normalized.png", "curves.png",
+    "residuals.png", "report.md",
+)  # fmt: skip
 
 
-def _figures(long: pd.DataFrame, fits: SweepFits, out: Path, notes: list[str]) -> dict[str, Path]:
+def _figures(long: pd.DataFrame, curves: pd.DataFrame, fits: SweepFits, out: Path, notes: list[str]) -> dict[str, Path]:
     from analysis import plots  # matplotlib only when figures are wanted
 
     iso = {a.arch: a.isoflop for a in fits.archs}
     paths = {
         "isoflop_plot": plots.plot_isoflop(long, iso, out / "isoflop.png", loss_col="loss"),
-        "frontier_plot": plots.plot_frontier(iso, out / "frontier.png"),
+        "frontier_plot": plots.plot_frontier(iso, out / "frontier.png", {a.arch: a.optimal for a in fits.archs}),
     }
     if any(a.forecasts for a in fits.archs):
         casts = {a.arch: a.forecasts for a in fits.archs}
@@ -162,6 +173,12 @@ def _figures(long: pd.DataFrame, fits: SweepFits, out: Path, notes: list[str]) -
             notes.append(f"normalised plot skipped: {e}")
     else:
         notes.append("normalised plot skipped: needs dense runs and at least one other arch")
+    try:
+        paths["curves_plot"] = plots.plot_curves(curves, out / "curves.png")
+    except AnalysisError as e:
+        notes.append(f"training-curves plot skipped: {e}")
+    par = {a.arch: a.parametric for a in fits.archs}
+    paths["residuals_plot"] = plots.plot_residuals(long, iso, par, out / "residuals.png")
     return paths
 
 
@@ -189,7 +206,8 @@ def run_all(
 
     Returns:
         Paths written, keyed "fits_json", "isoflop_plot", "frontier_plot", "forecast_plot" (when a series has a
-        forecast), "mod_plot" (when there are dense runs and another arch) and "report".
+        forecast), "mod_plot" (when there are dense runs and another arch), "curves_plot" (when runs logged
+        training curves), "residuals_plot" and "report".
 
     Raises:
         AnalysisError: the sweep is unknown or has no finished runs.
@@ -199,6 +217,7 @@ def run_all(
         with session(db) as con:
             sid = resolve_sweep(con, sweep_id)
             points = load_points(con, sid)
+            curves = load_curves(con, sid) if plots else None
             summary = sweep_summary(con, sid)
         fits = fit_points(points, sid, holdout=holdout)
         if store:
@@ -211,7 +230,7 @@ def run_all(
     notes: list[str] = []
     long = series_points(points)
     if plots:
-        paths.update(_figures(long, fits, out, notes))
+        paths.update(_figures(long, curves, fits, out, notes))
     if report:
         from analysis.report import write_report
 

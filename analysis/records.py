@@ -51,6 +51,11 @@ class ParabolaFit:
         n_points: points the parabola was fitted to.
         n_min: smallest sampled N of the budget.
         n_max: largest sampled N of the budget.
+        level: coverage of the vertex intervals.
+        ci_n_opt: ``level`` interval of n_opt (``isoflop.vertex_intervals``), or None when not identified.
+        ci_d_opt: the same for d_opt.
+        ci_loss_opt: the same for loss_opt.
+        why: why the vertex has no intervals ("" when it has).
     """
 
     budget: float
@@ -63,6 +68,11 @@ class ParabolaFit:
     n_points: int
     n_min: float
     n_max: float
+    level: float = LEVEL
+    ci_n_opt: CI | None = None
+    ci_d_opt: CI | None = None
+    ci_loss_opt: CI | None = None
+    why: str = ""
 
     def predict(self, n: np.ndarray | float) -> np.ndarray:
         """Loss of the fitted parabola at parameter counts ``n`` (any shape)."""
@@ -266,3 +276,53 @@ class Forecast:
         out = {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
         out["inside"] = self.inside
         return out
+
+
+@dataclass(frozen=True)
+class ParametricFrontier:
+    """Approach 3's compute-optimal frontier: its surface minimised over N along the runs' own budget constraint
+    (``analysis.optimal`` says how).
+
+    Attributes:
+        fit: the identified surface (left out of ``to_dict``: it is the series' parametric fit).
+        log_k: intercept of ln(C / (N D)) = log_k + slope * ln N over the series' runs.
+        slope: its slope (0 when tokens are C / (k N) exactly, as with D = C / (6 N)).
+        n_exponent: N*(C) ∝ C**n_exponent, beta / (alpha + (1 + slope) beta).
+        d_exponent: D*(C) ∝ C**d_exponent, alpha / (alpha + (1 + slope) beta).
+        ci_n_exponent: ``level`` interval of n_exponent (delta method on the fit's covariance).
+        ci_d_exponent: the same for d_exponent.
+        budgets: the budgets tabulated below (the series' own), ascending.
+        n_opt, d_opt, loss_opt: N*, D*, L* of the surface at each budget.
+        n_ci, d_ci, loss_ci: their ``level`` intervals per budget (parameter draws), empty when not identified.
+        level: the intervals' coverage.
+        why: why the per-budget intervals are missing ("" when they are there).
+    """
+
+    fit: ParametricFit
+    log_k: float
+    slope: float
+    n_exponent: float
+    d_exponent: float
+    ci_n_exponent: CI
+    ci_d_exponent: CI
+    budgets: tuple[float, ...]
+    n_opt: tuple[float, ...]
+    d_opt: tuple[float, ...]
+    loss_opt: tuple[float, ...]
+    n_ci: tuple[CI, ...] = ()
+    d_ci: tuple[CI, ...] = ()
+    loss_ci: tuple[CI, ...] = ()
+    level: float = LEVEL
+    why: str = ""
+
+    def at(self, c: np.ndarray | float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(N*, D*, L*) of the surface at budgets ``c`` (any shape): the closed form of ``analysis.optimal``."""
+        f, g = self.fit, 1.0 + self.slope
+        log_c = np.log(np.asarray(c, dtype=float))
+        log_n = (np.log(f.alpha * f.A / (g * f.beta * f.B)) + f.beta * (log_c - self.log_k)) / (f.alpha + g * f.beta)
+        n = np.exp(log_n)
+        loss = f.E + f.A * n**-f.alpha * (1.0 + f.alpha / (g * f.beta))
+        return n, np.exp(log_c - self.log_k - g * log_n), loss
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "fit"}

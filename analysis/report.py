@@ -1,20 +1,35 @@
-"""Markdown report of one sweep: summary, runs per budget, both approaches with CIs, figures, notes."""
+"""Markdown report of one sweep: how complete it is, where it came from, runs per budget, both approaches and the
+Approach 3 frontier with their intervals, the forecast, seed noise, figures and notes.
+
+Every estimate in the report carries its 90% interval in brackets, or says "not identified" and why. Measured
+values (a run's loss, a budget's best run) are single measurements and are labelled so; settings (budgets, sizes,
+counts) are exact.
+"""
 
 from __future__ import annotations
 
 import datetime as dt
+import json
 import math
 import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from analysis.records import PowerLaw
+from analysis.records import ParabolaFit, PowerLaw
 
 if TYPE_CHECKING:
     from analysis.pipeline import SweepFits
+
+_PASSWORD = re.compile(r"(\w[\w+.-]*://[^/:@\s]*:)[^@/\s]+@")  # scheme://user:PASSWORD@host
+
+
+def redact(text: str) -> str:
+    """``text`` with the password of every URL in it hidden (``scheme://user:***@host``)."""
+    return _PASSWORD.sub(r"\1***@", text)
 
 
 def _g(v: float | None, digits: int = 4) -> str:
@@ -23,14 +38,90 @@ def _g(v: float | None, digits: int = 4) -> str:
     return f"{v:.{digits}g}"
 
 
-def _ci(ci: tuple[float, float] | None, digits: int = 4) -> str:
+def _ci(ci: Sequence[float] | None, digits: int = 4) -> str:
     return "–" if ci is None else f"[{_g(ci[0], digits)}, {_g(ci[1], digits)}]"
+
+
+def _with_ci(v: float | None, ci: Sequence[float] | None, digits: int = 4) -> str:
+    """ "v [lo, hi]", or "v (not identified)" when there is no interval."""
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "–"
+    return f"{_g(v, digits)} {_ci(ci, digits)}" if ci is not None else f"{_g(v, digits)} (not identified)"
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
     out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     out += ["| " + " | ".join(str(v) for v in r) + " |" for r in rows]
     return out + [""]
+
+
+def _header_lines(fits: SweepFits, summary: Mapping[str, Any]) -> list[str]:
+    by_status = dict(summary.get("runs_by_status", {}))
+    finished, planned = int(summary.get("finished", 0)), summary.get("planned")
+    no_status = by_status.pop("unknown", 0)
+    counts = ", ".join(f"{k}: {v}" for k, v in by_status.items()) or "none"
+    if planned is None:
+        done = f"**{finished} runs finished; planned count unknown** (the store does not record the plan)"
+    elif finished > planned:
+        done = f"**{finished} runs finished; {planned} planned** (sizes added to bracket an optimum come on top)"
+    else:
+        done = f"**{finished} of {planned} planned runs finished**"
+    lines = [
+        f"- {done}",
+        f"- runs by status: {counts}; failed attempts stay in the sweep's queue, not here (`python -m sweeps status`)",
+    ]
+    if no_status:
+        lines.append(f"- {no_status} runs recorded without a status")
+    if planned is not None and finished < planned:
+        lines.append(
+            f"- **Partial sweep**: {planned - finished} planned runs have not finished; every fit below uses only"
+            " the runs that did"
+        )
+    lines += [
+        f"- name: {summary.get('name') or '–'}; preset: {summary.get('preset') or '–'};"
+        f" created: {summary.get('created_at') or '–'}; devices: {', '.join(summary.get('devices') or []) or '–'}",
+        f"- fitted series: {', '.join(a.arch for a in fits.archs) or 'none'}"
+        " (N = non-embedding parameters, D = tokens trained, C = the sweep's budget, loss in nats)",
+        '- every estimate carries its 90% interval in brackets or says "not identified"; measured values are'
+        " single measurements and say so",
+        f"- generated: {dt.datetime.now(dt.UTC).strftime('%Y-%m-%d %H:%M UTC')}",
+        "",
+    ]
+    return lines
+
+
+def _provenance_lines(summary: Mapping[str, Any]) -> list[str]:
+    def known(key: str, missing: str = "not recorded") -> str:
+        v = summary.get(key)
+        return missing if v is None or v == "" else str(v)
+
+    command = summary.get("command")
+    no_commit = "none (not run from a git checkout)" if summary.get("version") else "not recorded"
+    lines = [
+        "## Provenance",
+        "",
+        f"- mixdepth version: {known('version')}",
+        f"- git commit: {known('commit', no_commit)}",
+        f"- command line: {'not recorded' if not command else '`' + redact(str(command)) + '`'}",
+    ]
+    for sw in summary.get("software") or []:
+        lines.append("- software of the runs: " + ", ".join(f"{k} {v}" for k, v in sorted(sw.items())))
+    config = summary.get("config")
+    if config:
+        text = redact(json.dumps(config, indent=2, sort_keys=True, default=str))
+        lines += [
+            "",
+            "<details><summary>resolved config (as the sweep stored it)</summary>",
+            "",
+            "```json",
+            text,
+            "```",
+            "",
+            "</details>",
+        ]
+    else:
+        lines.append("- resolved config: not recorded")
+    return lines + [""]
 
 
 def _runs_table(points: pd.DataFrame) -> list[str]:
@@ -41,15 +132,30 @@ def _runs_table(points: pd.DataFrame) -> list[str]:
             arch, _g(budget, 3), len(g), f"{_g(g['n'].min(), 3)} – {_g(g['n'].max(), 3)}",
             _g(best["loss"]), _g(best["n"], 3), _g(best["d"], 3),
         ])  # fmt: skip
-    return _table(["series", "budget C (FLOPs)", "runs", "N range", "best loss (nats)", "N at best", "D at best"], rows)
+    head = ["series", "budget C (FLOPs)", "runs", "N range", "best loss (nats; one run, measured)", "N at best",
+            "D at best"]  # fmt: skip
+    return ["Single measurements: each loss is one run's (no interval; the seed noise section says how much a",
+            "run moves with its seed).", "", *_table(head, rows)]  # fmt: skip
+
+
+def _parabola_row(arch: str, p: ParabolaFit) -> list[Any]:
+    if p.vertex_inside:
+        inside = "yes"
+    else:
+        inside = "**no** (curvature <= 0)" if p.curvature <= 0 else "**no** (outside the sizes)"
+    return [
+        arch, _g(p.budget, 3), p.n_points, _with_ci(p.n_opt, p.ci_n_opt), _with_ci(p.d_opt, p.ci_d_opt),
+        _with_ci(p.loss_opt, p.ci_loss_opt), inside, "90%" if not p.why else f"not identified: {p.why}",
+    ]  # fmt: skip
 
 
 def _law_row(arch: str, name: str, law: PowerLaw | None, used: int) -> list[str]:
     if law is None:
-        return [arch, name, "–", "–", "–", "–", str(used)]
+        return [arch, name, "not identified (fewer than 2 budgets with an inside vertex)", "not identified", str(used)]
     if law.ci_exponent is None:
-        return [arch, name, _g(law.k), _g(law.exponent), f"not identified ({law.why})", "not identified", str(used)]
-    return [arch, name, _g(law.k), _g(law.exponent), _ci(law.ci_exponent), _ci(law.ci_k), str(used)]
+        return [arch, name, f"{_g(law.k)} (not identified: {law.why})", f"{_g(law.exponent)} (not identified)",
+                str(used)]  # fmt: skip
+    return [arch, name, _with_ci(law.k, law.ci_k), _with_ci(law.exponent, law.ci_exponent), str(used)]
 
 
 def _pm(pred: float | None, lo: float | None, hi: float | None) -> str:
@@ -70,9 +176,76 @@ def _forecast_lines(fits: SweepFits) -> list[str]:
             ])  # fmt: skip
     if not rows:
         return ["No forecast (a series needs the held-out budgets plus 2 more).", ""]
-    head = ["series", "held-out C", "method", "fitted on C", "L* predicted [90%]", "L* measured", "inside",
-            "N* predicted [90%]", "N* measured", "notes"]  # fmt: skip
+    head = ["series", "held-out C", "method", "fitted on C", "L* predicted [90%]", "L* measured (vertex)", "inside",
+            "N* predicted [90%]", "N* measured (vertex)", "notes"]  # fmt: skip
     return _table(head, rows)
+
+
+def _frontier_lines(fits: SweepFits) -> list[str]:
+    shown = [(a.arch, a.optimal) for a in fits.archs if a.optimal is not None]
+    lines = [
+        "## Approach 3: compute-optimal frontier",
+        "",
+        "The fitted surface minimised over N along the runs' own budget constraint D = C / (k N^g), k and g from",
+        "ln(C/(N D)) regressed on ln N over the series' runs (the lab's FLOP count; taken as exact, not estimated).",
+        "Exponents: 90% delta-method intervals; N*, D*, L* per budget: 90% intervals from parameter draws",
+        "(analysis/optimal.py). Only series whose parametric fit is identified have one.",
+        "",
+    ]
+    if not shown:
+        return lines + ["No series has an identified parametric fit.", ""]
+    rows = [
+        [arch, _with_ci(o.n_exponent, o.ci_n_exponent, 3), _with_ci(o.d_exponent, o.ci_d_exponent, 3),
+         f"k = {math.exp(o.log_k):.4g}, g = {1 + o.slope:.4g}"]
+        for arch, o in shown
+    ]  # fmt: skip
+    lines += _table(["series", "N* ∝ C^a: a [90%]", "D* ∝ C^b: b [90%]", "constraint (exact)"], rows)
+    rows = []
+    for arch, o in shown:
+        for i, c in enumerate(o.budgets):
+            cis = (o.n_ci, o.d_ci, o.loss_ci)
+            n, d, loss = (_with_ci(v[i], ci[i] if ci else None) for v, ci in zip((o.n_opt, o.d_opt, o.loss_opt), cis,
+                                                                                 strict=True))  # fmt: skip
+            rows.append([arch, _g(c, 3), n, d, loss, o.why or "90%"])
+    return lines + _table(["series", "budget C (FLOPs)", "N* [90%]", "D* [90%]", "L* [90%]", "intervals"], rows)
+
+
+def _noise_lines(points: pd.DataFrame) -> list[str]:
+    """Seed noise and comparison to dense (``analysis.noise``)."""
+    from analysis.noise import noise_tables
+
+    spread, compare = noise_tables(points)
+    lines = [
+        "## Seed noise and comparison to dense",
+        "",
+        "Seed-to-seed standard deviation of a run's loss, pooled over the grid points trained with several seeds",
+        "(90% chi-square interval); a budget without replicates borrows the spread pooled over all budgets. An",
+        "arch's best loss (lowest seed-mean over its sizes; measured) minus dense's is within noise when it is at",
+        "most twice that spread (analysis/noise.py).",
+        "",
+    ]
+    if not any(r["sd"] is not None for r in spread):
+        lines += [
+            "No grid point was trained with more than one seed: the noise floor is not measured (sweep.seeds).",
+            "",
+        ]
+    else:
+        rows = [
+            [_g(r["budget"], 3), _with_ci(r["sd"], (r["lo"], r["hi"]) if r["sd"] is not None else None, 3),
+             r["dof"] if r["dof"] is not None else "–", r["source"] or "not measured"]
+            for r in spread
+        ]  # fmt: skip
+        lines += _table(["budget C (FLOPs)", "seed sd (nats) [90%]", "dof", "source"], rows)
+    if compare:
+        rows = [
+            [_g(r["budget"], 3), r["arch"], _g(r["best"]), _g(r["dense_best"]), f"{r['diff']:+.4g}",
+             _g(None if r["sd"] is None else 2 * r["sd"], 3), r["verdict"]]
+            for r in compare
+        ]  # fmt: skip
+        head = ["budget C (FLOPs)", "arch", "best loss (measured)", "dense best (measured)", "difference (measured)",
+                "2 × seed sd", "verdict"]  # fmt: skip
+        lines += _table(head, rows)
+    return lines
 
 
 def build_report(
@@ -94,42 +267,31 @@ def build_report(
         base: folder the report is written to; figure links are relative to it.
     """
     lines = [f"# Scaling-law report: sweep {summary.get('sweep_id')}", ""]
-    status = ", ".join(f"{k}: {v}" for k, v in summary.get("runs_by_status", {}).items()) or "none"
-    lines += [
-        f"- name: {summary.get('name') or '–'}; preset: {summary.get('preset') or '–'};"
-        f" created: {summary.get('created_at') or '–'}",
-        f"- runs by status: {status}; devices: {', '.join(summary.get('devices') or []) or '–'}",
-        f"- fitted series: {', '.join(a.arch for a in fits.archs) or 'none'}"
-        " (N = non-embedding parameters, D = tokens trained, C = the sweep's budget, loss in nats)",
-        f"- generated: {dt.datetime.now(dt.UTC).strftime('%Y-%m-%d %H:%M UTC')}",
-        "",
-        "## Runs per budget",
-        "",
-    ]
+    lines += _header_lines(fits, summary)
+    lines += _provenance_lines(summary)
+    lines += ["## Runs per budget", ""]
     lines += _runs_table(points) if not points.empty else ["No finished runs.", ""]
 
     lines += ["## Approach 2: isoFLOP parabolas", ""]
     lines += [
-        "Robust (soft-L1) parabola of loss against ln N per budget; ★ inside = the vertex is a minimum lying",
-        "within the sampled N range (only those budgets enter the power laws). D* is interpolated in",
-        "(ln N, ln D) between the budget's runs. One budget's vertex has no interval of its own (three sizes",
-        "leave no residual to estimate noise from); the power laws' intervals below hold its noise.",
+        "Robust (soft-L1) parabola of loss against ln N per budget; inside = the vertex is a minimum lying within",
+        "the sampled N range (only those budgets enter the power laws). D* is interpolated in (ln N, ln D)",
+        "between the budget's runs. A vertex's own 90% interval comes from its runs' scatter about the parabola",
+        "(delta method, dof = runs - 3); with fewer than 5 runs there is too little residual and it is not",
+        "identified (three runs leave none: the parabola passes through them). It is the interval of the",
+        "parabola's vertex: it holds the runs' noise, not the shift of a parabola fitted to a lopsided loss curve",
+        "(Approach 3's frontier has no such shift). The power laws' intervals below hold every vertex's noise.",
         "",
     ]
-    rows = []
-    for a in fits.archs:
-        for p in a.isoflop.parabolas if a.isoflop else ():
-            rows.append([
-                a.arch, _g(p.budget, 3), p.n_points, _g(p.n_opt), _g(p.d_opt), _g(p.loss_opt),
-                _g(p.curvature, 3), "yes" if p.vertex_inside else "**no**",
-            ])  # fmt: skip
-    head = ["series", "budget C (FLOPs)", "points", "N*", "D*", "L* (nats)", "curvature", "vertex inside"]
+    rows = [_parabola_row(a.arch, p) for a in fits.archs for p in (a.isoflop.parabolas if a.isoflop else ())]
+    head = ["series", "budget C (FLOPs)", "runs", "N* [90%]", "D* [90%]", "L* (nats) [90%]", "vertex inside",
+            "intervals"]  # fmt: skip
     lines += _table(head, rows) if rows else ["No budget had 3 runs.", ""]
 
     lines += ["## Approach 2: power laws", ""]
     lines += [
-        "Least squares in log-log over the inside vertices; 90% t intervals from the vertices' scatter about the",
-        "law (dof = budgets - 2): with 2 budgets there is no scatter and the intervals are not identified.",
+        "Least squares in log-log over the inside vertices, y = k C^exponent; 90% t intervals from the vertices'",
+        "scatter about the law (dof = budgets - 2): with 2 budgets there is no scatter and they are not identified.",
         "",
     ]
     rows = []
@@ -138,18 +300,18 @@ def build_report(
         if iso is None:
             continue
         used = len(iso.budgets_used)
-        rows.append(_law_row(a.arch, "N*(C)", iso.n_opt, used))
-        rows.append(_law_row(a.arch, "D*(C)", iso.d_opt, used))
-        rows.append(_law_row(a.arch, "L*(C)", iso.loss_opt, used))
-    head = ["series", "law", "k", "exponent", "exponent 90% interval", "k 90% interval", "budgets"]
+        for name, law in (("N*(C)", iso.n_opt), ("D*(C)", iso.d_opt), ("L*(C)", iso.loss_opt)):
+            rows.append(_law_row(a.arch, name, law, used))
+    head = ["series", "law", "k [90%]", "exponent [90%]", "budgets"]
     lines += _table(head, rows) if rows else ["No power laws (fewer than 2 budgets with an inside vertex).", ""]
 
     lines += ["## Approach 3: parametric fit L = E + A/N^α + B/D^β", ""]
     lines += [
         "Huber (δ = 1e-3) on log-loss residuals, summed over runs; bounded L-BFGS-B from the best starts of a",
-        "grid; 90% Wald t intervals in brackets (dof = runs - 5). a = β/(α+β) is the implied exponent of N*(C).",
+        "grid; 90% Wald t intervals in brackets (dof = runs - 5). a = β/(α+β) is N*(C)'s exponent when D = C/(6N).",
         "A fit the data do not identify (fewer than 10 runs, a parameter on its bound, an interval wider than",
-        "its estimate) shows no numbers.",
+        "its estimate) shows no numbers. The objective is the fit's statistic (summed Huber loss at the optimum),",
+        "not an estimate.",
         "",
     ]
     rows = []
@@ -160,26 +322,30 @@ def build_report(
         if not p.identified:
             rows.append([a.arch, f"not identified: {p.why}", "", "", "", "", "", "", p.n_points])
             continue
-        cell = {k: f"{_g(getattr(p, k))} {_ci(p.ci.get(k), 3)}" for k in ("E", "A", "B", "alpha", "beta", "a")}
+        cell = {k: _with_ci(getattr(p, k), p.ci.get(k), 3) for k in ("E", "A", "B", "alpha", "beta", "a")}
         rows.append([
             a.arch, cell["E"], cell["A"], cell["B"], cell["alpha"], cell["beta"], cell["a"], _g(p.objective),
             p.n_points,
         ])  # fmt: skip
-    head = ["series", "E", "A", "B", "α", "β", "a", "objective", "points"]
+    head = ["series", "E", "A", "B", "α", "β", "a", "objective (statistic)", "points"]
     lines += _table(head, rows) if rows else ["No parametric fit (too few runs).", ""]
+    lines += _frontier_lines(fits)
 
     lines += ["## Forecast of held-out budgets", ""]
     lines += [
         "Each law is fitted without the largest budget(s) and predicts their optimum; measured = the held-out",
-        "budget's own parabola vertex. Intervals are 90% prediction intervals of that measurement",
-        "(analysis/forecast.py says how each is made).",
+        "budget's own parabola vertex. Intervals are 90% prediction intervals of that measurement, so they hold",
+        "its noise (analysis/forecast.py says how each is made).",
         "",
     ]
     lines += _forecast_lines(fits)
+    if not points.empty:
+        lines += _noise_lines(points)
 
     figs = [(k, v) for k, v in figures.items() if k.endswith("_plot")]
     if figs:
-        lines += ["## Figures", ""]
+        legend = "Colour is the arch in every figure (`:causal` a lighter tint of it); marker is the budget."
+        lines += ["## Figures", "", legend, ""]
         for name, path in figs:
             rel = os.path.relpath(path, base) if base is not None else str(path)
             lines += [f"![{name}]({rel})", ""]

@@ -5,6 +5,7 @@ analysis never creates a database: a missing file is an error even for commands 
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,6 +25,8 @@ POINT_COLUMNS = (
     "sweep_id", "arch", "budget", "run_id", "n", "params_total", "params_active", "d",
     "flops_per_token", "train_flops", "val_loss", "val_loss_causal",
 )  # fmt: skip
+OPTIONAL_POINT_COLUMNS = ("seed",)  # stores made before a column existed lack it: read as unknown (NULL)
+PROVENANCE_COLUMNS = ("planned", "version", "commit", "command")  # of ``sweeps``; NULL or absent: unknown
 
 
 def open_db(path: str | os.PathLike) -> duckdb.DuckDBPyConnection:
@@ -98,19 +101,58 @@ def resolve_sweep(con: duckdb.DuckDBPyConnection, sweep_id: str | None) -> str |
     return sweep_id
 
 
+def _columns_of(con: duckdb.DuckDBPyConnection, relation: str) -> set[str]:
+    rows = con.execute(
+        "SELECT column_name FROM information_schema.columns WHERE table_schema = 'main' AND table_name = ?",
+        [relation],
+    )
+    return {r[0] for r in rows.fetchall()}
+
+
+def _optional(con: duckdb.DuckDBPyConnection, relation: str, names: tuple[str, ...]) -> str:
+    """Select list of ``names``: the column where ``relation`` has it, else a NULL of that name."""
+    have = _columns_of(con, relation)
+    return ", ".join(f'"{n}"' if n in have else f'NULL AS "{n}"' for n in names)  # quoted: "commit" is a keyword
+
+
 def load_points(con: duckdb.DuckDBPyConnection, sweep_id: str | None) -> pd.DataFrame:
-    """Rows of the ``isoflop_points`` view for one sweep, ordered by arch, budget, N."""
-    cols = ", ".join(POINT_COLUMNS)
+    """Rows of the ``isoflop_points`` view for one sweep, ordered by arch, budget, N (``seed`` NULL where the
+    store predates it)."""
+    cols = ", ".join(POINT_COLUMNS) + ", " + _optional(con, "isoflop_points", OPTIONAL_POINT_COLUMNS)
     return con.execute(
         f"SELECT {cols} FROM isoflop_points WHERE sweep_id IS NOT DISTINCT FROM ? ORDER BY arch, budget, n",
         [sweep_id],
     ).df()
 
 
+def load_curves(con: duckdb.DuckDBPyConnection, sweep_id: str | None) -> pd.DataFrame:
+    """Training curves of a sweep's runs (every status), with the run's arch, budget, N and status.
+
+    Returns:
+        Columns run_id, arch, budget, n, status, step, tokens, flops, train_loss, lr; ordered by arch, budget,
+        N, run, step. Empty when no run of the sweep logged a curve.
+    """
+    return con.execute(
+        "SELECT c.run_id, r.arch, r.budget, r.params_nonembed AS n, r.status, c.step, c.tokens, c.flops,"
+        " c.train_loss, c.lr FROM curves c JOIN runs r USING (run_id)"
+        " WHERE r.sweep_id IS NOT DISTINCT FROM ? ORDER BY r.arch, r.budget, n, c.run_id, c.step",
+        [sweep_id],
+    ).df()
+
+
 def sweep_summary(con: duckdb.DuckDBPyConnection, sweep_id: str | None) -> dict[str, Any]:
-    """Sweep row (name, preset, created_at) and run counts by status, for the report."""
+    """What the report's header and provenance say about a sweep.
+
+    Returns:
+        sweep_id, name, preset, created_at; config (the resolved config as stored, a dict, or None); the
+        provenance columns planned, version, commit, command (None where the store lacks the column or the
+        sweep has no value: unknown); runs_by_status (status -> runs in the database); finished (runs with a
+        status); devices; software (the distinct ``versions`` of the runs, each a dict).
+    """
+    prov = _optional(con, "sweeps", PROVENANCE_COLUMNS)
     row = con.execute(
-        "SELECT name, preset, created_at FROM sweeps WHERE sweep_id IS NOT DISTINCT FROM ?", [sweep_id]
+        f"SELECT name, preset, created_at, config, {prov} FROM sweeps WHERE sweep_id IS NOT DISTINCT FROM ?",
+        [sweep_id],
     ).fetchone()
     counts = con.execute(
         "SELECT coalesce(status, 'unknown'), count(*) FROM runs WHERE sweep_id IS NOT DISTINCT FROM ?"
@@ -120,13 +162,22 @@ def sweep_summary(con: duckdb.DuckDBPyConnection, sweep_id: str | None) -> dict[
     devices = [r[0] for r in con.execute(
         "SELECT DISTINCT device FROM runs WHERE sweep_id IS NOT DISTINCT FROM ? AND device IS NOT NULL"
         " ORDER BY 1", [sweep_id]).fetchall()]  # fmt: skip
+    software = [json.loads(r[0]) for r in con.execute(
+        "SELECT DISTINCT CAST(versions AS VARCHAR) FROM runs WHERE sweep_id IS NOT DISTINCT FROM ?"
+        " AND versions IS NOT NULL ORDER BY 1", [sweep_id]).fetchall()]  # fmt: skip
+    by_status = {s: int(c) for s, c in counts}
+    name, preset, created, config, *provenance = row if row else (None,) * (4 + len(PROVENANCE_COLUMNS))
     return {
         "sweep_id": sweep_id,
-        "name": row[0] if row else None,
-        "preset": row[1] if row else None,
-        "created_at": str(row[2]) if row and row[2] is not None else None,
-        "runs_by_status": {s: int(c) for s, c in counts},
+        "name": name,
+        "preset": preset,
+        "created_at": str(created) if created is not None else None,
+        "config": json.loads(config) if isinstance(config, str) else config,
+        **dict(zip(PROVENANCE_COLUMNS, provenance, strict=True)),
+        "runs_by_status": by_status,
+        "finished": sum(c for s, c in by_status.items() if s != "unknown"),
         "devices": devices,
+        "software": software,
     }
 
 

@@ -188,7 +188,7 @@ def test_fit_plot_report_commands(capsys, tmp_path):
 
 
 def test_analysis_never_imports_torch(tmp_path):
-    mods = "analysis.pipeline, analysis.plots, analysis.report, analysis.query, analysis.__main__"
+    mods = "analysis.pipeline, analysis.plots, analysis.report, analysis.optimal, analysis.query, analysis.__main__"
     code = f"import sys, {mods}; print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'lightning')))"
     res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr

@@ -1,23 +1,45 @@
 """Store → fits table → figures → report, on synthetic sweeps with a known surface."""
 
+import colorsys
 import json
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
+from matplotlib.image import imread
 
 from analysis import AnalysisError
-from analysis.pipeline import run_all
-from analysis.plots import normalize_to_dense, plot_mod_normalized
+from analysis.pipeline import OUTPUT_NAMES, run_all
+from analysis.plots import ARCH_COLORS, normalize_to_dense, palette, plot_mod_normalized, series_color
+from analysis.report import redact
 from analysis.synthetic import TRUTH, fake_runs
 from mixdepth.results import add_run, add_sweep, connect, writer
 
+PNG = b"\x89PNG"
 
-def make_store(path, rows, sweep_id="s1"):
+
+def curve(row, points=5):
+    """A training curve ending at the run's tokens, falling to its train loss."""
+    steps = np.arange(1, points + 1)
+    return [
+        {"step": int(k), "tokens": int(row["tokens"] * k / points), "flops": float(row["train_flops"] * k / points),
+         "train_loss": float(row["train_loss"] + 0.5 * (points - k) / points), "lr": 1e-3}
+        for k in steps
+    ]  # fmt: skip
+
+
+def make_store(path, rows, sweep_id="s1", config=None, provenance=None):
+    """A store holding ``rows`` with their curves; ``provenance`` fills the sweeps table's provenance columns
+    (planned, version, commit, command), added where the store's schema predates them."""
     con = connect(path)
-    add_sweep(con, sweep_id, "synthetic", "test", {"budgets": [1e15, 1e16, 1e17]})
+    add_sweep(con, sweep_id, "synthetic", "test", config or {"budgets": [1e15, 1e16, 1e17]})
+    for key, value in (provenance or {}).items():
+        kind = "INTEGER" if key == "planned" else "VARCHAR"
+        con.execute(f"ALTER TABLE sweeps ADD COLUMN IF NOT EXISTS {key} {kind}")
+        con.execute(f"UPDATE sweeps SET {key} = ? WHERE sweep_id = ?", [value, sweep_id])
     for r in rows:
-        add_run(con, r, [])
+        add_run(con, r, curve(r) if r.get("status") == "ok" else [])
     con.close()
 
 
@@ -29,9 +51,11 @@ def test_run_all_writes_fits_plots_and_report(tmp_path):
     make_store(db, rows)
     paths = run_all(db, "s1", tmp_path / "out")
 
-    assert {"fits_json", "isoflop_plot", "frontier_plot", "mod_plot", "report"} <= set(paths)
-    for key in ("isoflop_plot", "frontier_plot", "mod_plot"):
-        assert paths[key].suffix == ".png" and paths[key].read_bytes()[:4] == b"\x89PNG"
+    pngs = ("isoflop_plot", "frontier_plot", "forecast_plot", "mod_plot", "curves_plot", "residuals_plot")
+    assert set(paths) == {"fits_json", "report", *pngs}
+    for key in pngs:
+        assert paths[key].suffix == ".png" and paths[key].read_bytes()[:4] == PNG
+    assert {p.name for p in (tmp_path / "out").iterdir()} <= set(OUTPUT_NAMES)  # the CLI guards each of them
 
     con = connect(db, read_only=True)
     fits = con.execute("SELECT arch, method, budget, params, ci, n_points FROM fits ORDER BY arch, method, budget").df()
@@ -56,7 +80,10 @@ def test_run_all_writes_fits_plots_and_report(tmp_path):
     text = paths["report"].read_text()
     for needle in ("# Scaling-law report: sweep s1", "## Runs per budget", "vertex inside", "N*(C)",
                    "## Approach 3", "![isoflop_plot](isoflop.png)", "mod: isoFLOP fit skipped",
-                   "mod: parametric fit skipped", "diverged: 1"):  # fmt: skip
+                   "mod: parametric fit skipped", "diverged: 1", "planned count unknown", "## Provenance",
+                   "mixdepth version: not recorded", "command line: not recorded", "![curves_plot](curves.png)",
+                   "![residuals_plot](residuals.png)", "## Approach 3: compute-optimal frontier",
+                   "## Seed noise and comparison to dense"):  # fmt: skip
         assert needle in text, needle
     assert json.loads(paths["fits_json"].read_text())["sweep_id"] == "s1"
 
@@ -121,3 +148,119 @@ def test_run_all_draws_a_frontier_with_no_vertex_at_all(tmp_path):
     make_store(db, rows)
     paths = run_all(db, "s1", tmp_path / "out")
     assert paths["frontier_plot"].read_bytes()[:4] == b"\x89PNG"
+
+
+def has_color(png, rgb, tol=1.5 / 255):
+    """Some pixel of the PNG is ``rgb`` (floats in [0, 1]) to within 8-bit rounding."""
+    img = imread(png)[..., :3]
+    return bool(np.any(np.all(np.abs(img - np.asarray(rgb)) < tol, axis=-1)))
+
+
+def test_series_colors_depend_on_the_name_only():
+    assert palette(["dense", "mod"])["mod"] == palette(["mod", "moda", "zeta"])["mod"] == series_color("mod")
+    models = {p.stem for p in (Path(__file__).resolve().parents[1] / "conf" / "model").glob("*.yaml")}
+    assert set(ARCH_COLORS) == models  # every arch a sweep can name has a fixed colour, each its own
+    assert series_color("mod") == ARCH_COLORS["mod"] and len(set(ARCH_COLORS.values())) == len(ARCH_COLORS)
+    for arch in (*ARCH_COLORS, "zeta"):
+        h, lum, _ = colorsys.rgb_to_hls(*series_color(arch))
+        hc, lum_c, _ = colorsys.rgb_to_hls(*series_color(f"{arch}:causal"))
+        assert hc == pytest.approx(h, abs=1e-9) and lum_c > lum  # the same hue, lighter
+    assert series_color("zeta") not in ARCH_COLORS.values()  # an arch outside the registry: a colour of its own
+
+
+def test_every_figure_draws_each_series_in_its_colour(tmp_path):
+    # dense and mode only: a colour taken by position among the archs shown would give mode the second colour
+    db = tmp_path / "results.db"
+    rows = fake_runs("s1", "dense", sizes_per_budget=5)
+    rows += fake_runs("s1", "mode", sizes_per_budget=5, flops_scale=0.6, causal_offset=0.02, seed=1)
+    make_store(db, rows)
+    paths = run_all(db, "s1", tmp_path / "out", store=False)
+    series = ("dense", "mode", "mode:causal")
+    for key in ("isoflop_plot", "frontier_plot", "forecast_plot", "residuals_plot"):
+        for s in series:
+            assert has_color(paths[key], series_color(s)), (key, s)
+    assert has_color(paths["curves_plot"], series_color("mode")) and has_color(
+        paths["curves_plot"], ARCH_COLORS["dense"]
+    )
+    for s in series:  # bubbles drawn at alpha 0.75 over the white axes
+        assert has_color(paths["mod_plot"], 0.75 * np.array(series_color(s)) + 0.25), s
+    assert not has_color(paths["frontier_plot"], ARCH_COLORS["mod"])  # mod's colour: no series here is mod's
+
+
+ESTIMATE_SECTIONS = (
+    "## Approach 2: isoFLOP parabolas", "## Approach 2: power laws", "## Approach 3: parametric fit",
+    "## Approach 3: compute-optimal frontier",
+)  # fmt: skip
+EXACT_COLUMNS = {"series", "budget C (FLOPs)", "runs", "points", "budgets", "law", "vertex inside", "intervals",
+                 "objective (statistic)", "constraint (exact)"}  # fmt: skip
+
+
+def estimate_cells(text):
+    """(section, column, cell) of every table cell of the estimate sections outside EXACT_COLUMNS."""
+    out, section, header = [], None, None
+    for line in text.splitlines():
+        if line.startswith("## "):
+            section, header = next((s for s in ESTIMATE_SECTIONS if line.startswith(s)), None), None
+        elif section and line.startswith("|") and not line.startswith("|---"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            if header is None:
+                header = cells
+                continue
+            out += [(section, h, c) for h, c in zip(header, cells, strict=True) if h not in EXACT_COLUMNS]
+        elif not line.startswith("|"):
+            header = None
+    return out
+
+
+def test_report_of_a_partial_sweep_states_provenance_and_an_interval_for_every_estimate(tmp_path):
+    db = tmp_path / "results.db"
+    rows = fake_runs("s1", "dense", sizes_per_budget=5)
+    rows += fake_runs("s1", "moda", budgets=(1e15, 1e16), sizes_per_budget=3)  # vertices without intervals
+    rows += [dict(rows[0], run_id="div", status="diverged", val_loss=None)]
+    config = {"model": {"arch": "dense"}, "sweep": {"storage": "postgresql://bob:***@db:5432/opt"},
+              "note": "postgresql://bob:leaked@db/x"}  # fmt: skip
+    provenance = {"planned": 30, "version": "0.4.0", "commit": "0123abc",
+                  "command": "python -m sweeps isoflop sweep.storage=postgresql://bob:s3cret@db:5432/opt"}  # fmt: skip
+    make_store(db, rows, config=config, provenance=provenance)
+    paths = run_all(db, "s1", tmp_path / "out", store=False)
+    text = paths["report"].read_text()
+    for needle in ("**22 of 30 planned runs finished**", "diverged: 1", "ok: 21", "**Partial sweep**: 8 planned",
+                   "mixdepth version: 0.4.0", "git commit: 0123abc",
+                   "command line: `python -m sweeps isoflop sweep.storage=postgresql://bob:***@db:5432/opt`",
+                   "<details><summary>resolved config", '"arch": "dense"', "postgresql://bob:***@db/x",
+                   "not identified: 3 runs: the parabola passes through them"):  # fmt: skip
+        assert needle in text, needle
+    assert "s3cret" not in text and "leaked" not in text
+    cells = estimate_cells(text)
+    assert {s for s, _, _ in cells} == set(ESTIMATE_SECTIONS)
+    for section, column, cell in cells:
+        if cell in ("", "–") or cell.startswith("not identified"):
+            continue
+        assert cell.endswith("]") or "(not identified" in cell, (section, column, cell)
+    assert any(c.endswith("]") for s, h, c in cells if s == ESTIMATE_SECTIONS[0] and h == "N* [90%]")  # 5 runs
+
+
+def test_redact_hides_url_passwords_only():
+    assert redact("a postgresql+psycopg://u:p%40ss@h:5/db b") == "a postgresql+psycopg://u:***@h:5/db b"
+    assert redact("sqlite:///x.db and mysql://u@h/db") == "sqlite:///x.db and mysql://u@h/db"
+
+
+@pytest.mark.parametrize(
+    "summary, needles",
+    [
+        ({"finished": 5}, ["**5 runs finished; planned count unknown**", "git commit: not recorded",
+                           "resolved config: not recorded"]),
+        ({"finished": 7, "planned": 5, "version": "0.4.0"}, ["**7 runs finished; 5 planned** (sizes added",
+                                                             "git commit: none (not run from a git checkout)"]),
+        ({"finished": 5, "planned": 5, "runs_by_status": {"ok": 4, "diverged": 1, "unknown": 2}},
+         ["**5 of 5 planned runs finished**", "ok: 4, diverged: 1;", "2 runs recorded without a status"]),
+    ],
+)  # fmt: skip
+def test_report_header_says_how_complete_the_sweep_is(summary, needles):
+    from analysis.pipeline import SweepFits
+    from analysis.report import build_report
+
+    text = build_report(SweepFits("s1", ()), pd.DataFrame(), {"sweep_id": "s1", **summary}, {})
+    for needle in needles:
+        assert needle in text, needle
+    assert ("Partial sweep" in text) == (summary.get("planned", 0) > summary["finished"])

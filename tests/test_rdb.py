@@ -27,6 +27,7 @@ ARGS = [
     " {d_model: 32, n_layers: 1, n_heads: 2}]",
     "sweep.min_steps=4",
     "sweep.bootstrap=5",
+    "sweep.max_extra=0",  # the grid alone: sizes to bracket optima are the local sweep's (tests/test_bracket.py)
     "sweep.workers=1",
     "train.batch_size=4",
     "train.threads=1",

@@ -233,7 +233,8 @@ def test_seeds_repeat_the_grid_at_the_seed_budgets():
     from sweeps.plan import plan, sweep_id
 
     conf = Path(__file__).resolve().parents[1] / "conf"
-    lab = load_config(conf, "isoflop", ["sweep.seeds=3", "sweep.seed_budgets=[2e11]", "train.seed=5"])
+    budgets = "sweep.budgets=[1e11,2e11,4e11]"
+    lab = load_config(conf, "isoflop", [budgets, "sweep.seeds=3", "sweep.seed_budgets=[2e11]", "train.seed=5"])
     trials = plan(lab, sweep_id(lab, "isoflop"))[0]
     assert len({t.run_id for t in trials}) == len(trials)
     at = {b: [t for t in trials if t.budget == b] for b in lab.sweep.budgets}
@@ -242,7 +243,7 @@ def test_seeds_repeat_the_grid_at_the_seed_budgets():
     same = lambda t: (t.arch, t.shape, t.steps, t.tokens)  # noqa: E731
     for seed in (6, 7):
         assert [same(t) for t in at[2e11] if t.seed == seed] == [same(t) for t in at[2e11] if t.seed == 5]
-    every = load_config(conf, "isoflop", ["sweep.seeds=2"])
+    every = load_config(conf, "isoflop", [budgets, "sweep.seeds=2"])
     assert len(plan(every, sweep_id(every, "isoflop"))[0]) == 2 * (len(trials) - 2 * one)
 
 

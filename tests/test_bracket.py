@@ -168,7 +168,9 @@ def sweeps(tmp_path_factory, cli_env):
     procs = {"ref": _start(ref, TOO_LARGE, env), "small": _start(small, TOO_SMALL, env)}
     killed = _until(_start(cut, TOO_LARGE, env), "[1/3] dense", signal.SIGKILL)
     after_kill = [(t.number, t.state.name, t.datetime_start is not None) for t in _study(cut).trials]
-    stopped = _until(_start(cut, TOO_LARGE, env), "[1/1] dense", signal.SIGTERM)  # the first added size's start
+    # the restart also moves its checkpoint root (a key outside the sweep's identity): queued runs take it over
+    moved = [*TOO_LARGE, f"train.ckpt_dir={d / 'moved'}"]
+    stopped = _until(_start(cut, moved, env), "[1/1] dense", signal.SIGTERM)  # the first added size's start
     after_stop = [(t.number, t.state.name, dict(t.user_attrs)) for t in _study(cut).trials]
     last = subprocess.run(
         [sys.executable, "-m", "sweeps", "isoflop", "--db", str(cut), *TOO_LARGE],
@@ -220,6 +222,8 @@ def test_a_killed_and_a_stopped_sweep_resume_to_the_uninterrupted_one(sweeps, va
     assert [s for _, s in states[3:]] == ["COMPLETE", "FAIL", "WAITING"], states
     (extra_fail,) = [a for n, s, a in after_stop if s == "FAIL" and n > 0]
     assert extra_fail["interrupted"] and extra_fail["extra"] == 1
+    dirs = [a["run"]["run"]["train"]["ckpt_dir"] for _, _, a in after_stop]
+    assert dirs[0] == "" and all(x.endswith("/moved") for x in dirs[1:]), dirs  # the queued ones were rewritten
     assert last.returncode == 0, last.stderr[-3000:]
     assert "3 runs planned, 1 added to bracket optima, 3 already in" in last.stdout and "1 to run" in last.stdout
     assert last.stdout.count("bracket dense C=5.00e+08: ") == 1 and "size 2 of at most 2" in last.stdout
@@ -256,3 +260,14 @@ def test_trials_show_what_they_are_and_the_sweep_its_provenance(sweeps):
 def _grid_ids() -> set[str]:
     lab = load_config(CONF, "isoflop", TOO_LARGE)
     return {t.run_id for t in plan(lab, sweep_id(lab, "isoflop"))[0]}
+
+
+def test_the_dry_run_says_sizes_may_be_added(cli, tmp_path):
+    r = cli("sweeps", "isoflop", "--dry-run", "--db", str(tmp_path / "r.db"), *TOO_LARGE)
+    assert r.returncode == 0 and len([ln for ln in r.stdout.splitlines() if ln.lstrip().startswith("dense")]) == 3
+    assert r.stdout.splitlines()[-1] == (
+        "then up to sweep.max_extra=2 sizes per (arch, budget) may be added to bracket its optimum, where its"
+        " isoFLOP vertex falls outside the sampled sizes"
+    )
+    off = cli("sweeps", "isoflop", "--dry-run", "--db", str(tmp_path / "r.db"), *TOO_LARGE, "sweep.max_extra=0")
+    assert off.returncode == 0 and "may be added" not in off.stdout and not (tmp_path / "r.db").exists()

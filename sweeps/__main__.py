@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     co.add_argument("--storage", required=True, help="storage URL")
     co.add_argument("--db", type=Path, default=Path("results.db"), help="DuckDB file (default: results.db)")
     co.add_argument("--sweep", help="only this sweep id (default: every sweep in the storage)")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
 
     from mixdepth.results import StoreError, io_fault
@@ -94,12 +95,20 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"--workers must be at least 0, got {args.workers}")
             return serve(args.storage, args.sweep, args.workers, args.overrides)
         from mixdepth.config import load_config
+        from sweeps.provenance import command
         from sweeps.runner import run_isoflop
 
         if args.dry_run and args.enqueue_only:
             raise ConfigError("--dry-run and --enqueue-only exclude each other")
         lab = load_config(args.conf, args.preset, args.overrides)
-        return run_isoflop(lab, args.preset, _paths(args.db), dry_run=args.dry_run, enqueue_only=args.enqueue_only)
+        return run_isoflop(
+            lab,
+            args.preset,
+            _paths(args.db),
+            dry_run=args.dry_run,
+            enqueue_only=args.enqueue_only,
+            command=command(argv),
+        )
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

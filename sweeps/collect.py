@@ -17,7 +17,7 @@ def collect_study(con, study: optuna.Study, meta: dict) -> int:
     returns how many runs were added."""
     done = results.finished_run_ids(con)
     new = [pair for rid, pair in queue.finished(study).items() if rid not in done]
-    results.add_sweep(con, meta["sweep_id"], meta["name"], meta["preset"], meta["config"])
+    results.add_sweep(con, meta["sweep_id"], meta["name"], meta["preset"], meta["config"], meta.get("provenance"))
     results.add_runs(con, new)
     return len(new)
 

@@ -1,4 +1,5 @@
-"""The isoFLOP plan: every (arch, budget, shape) grid point with its exact FLOPs, tokens and steps."""
+"""The isoFLOP plan: every (arch, budget, shape) grid point, and its repeats with other seeds, with its exact FLOPs,
+tokens and steps."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ class Trial:
     flops_per_token: float
     tokens: int
     steps: int
+    seed: int  # train.seed of the run: the sweep's, or train.seed + k for the k-th repeat (sweep.seeds)
 
     @property
     def train_flops(self) -> float:
@@ -33,10 +35,11 @@ def digest(obj: Any, n: int = 12) -> str:
 
 
 # Keys that change how a sweep is shown, scheduled or fitted, never what a run trains to: not part of its identity,
-# so changing one resumes the same sweep and reuses every stored run.
+# so changing one resumes the same sweep and reuses every stored run (sweep.max_extra: how many sizes the sweep may
+# add to bracket an optimum; raising it resumes the sweep and adds more).
 NOT_IDENTITY = {
     "train": ("progress", "devices", "num_nodes", "strategy", "ckpt_every", "ckpt_dir", "keep_ckpt"),
-    "sweep": ("name", "workers", "retries", "storage", "heartbeat_interval", "grace_period"),
+    "sweep": ("name", "workers", "retries", "storage", "heartbeat_interval", "grace_period", "max_extra"),
 }
 
 
@@ -59,12 +62,33 @@ def sweep_id(lab: LabConfig, preset: str) -> str:
     return f"{preset}-{digest([preset, identity(lab)], 8)}"
 
 
+def point(lab: LabConfig, sid: str, arch: str, budget: float, shape: Shape, model: Any, seed: int) -> Trial:
+    """The run of ``model`` (``arch``'s family config at ``shape``) at ``budget`` with ``train.seed = seed``; its
+    run_id hashes the sweep, the point and what defines its training (the sweep's train section with this seed).
+    Bracketing extras (sweeps/bracket.py) are made here too, so every run of a sweep is named the same way."""
+    ident = identity(lab)
+    tokens_per_step = lab.train.batch_size * lab.data.seq_len
+    fpt = model.flops_per_token()
+    steps = steps_for_budget(fpt, budget, tokens_per_step)
+    train = {**ident["train"], "seed": seed}
+    rid = digest([sid, arch, budget, asdict(model), ident["data"], train, steps])
+    return Trial(rid, arch, budget, shape, model, model.n_params(), fpt, steps * tokens_per_step, steps, seed)
+
+
+def seeds_at(lab: LabConfig, budget: float) -> range:
+    """The train.seed values each grid point at ``budget`` trains with: the sweep's, and ``sweep.seeds - 1`` more
+    at the ``sweep.seed_budgets`` (every budget when that is empty)."""
+    s, base = lab.sweep, lab.train.seed
+    repeated = not s.seed_budgets or budget in s.seed_budgets
+    return range(base, base + (s.seeds if repeated else 1))
+
+
 def plan(lab: LabConfig, sid: str) -> tuple[list[Trial], list[str]]:
-    """All grid points that train at least sweep.min_steps steps, and notes on those left out."""
+    """All grid points that train at least sweep.min_steps steps (each with its seeds), and notes on those left
+    out."""
     s, t = lab.sweep, lab.train
     tokens_per_step = t.batch_size * lab.data.seq_len
     trials, notes = [], []
-    ident = identity(lab)
     for arch in s.archs:
         models, dense_like = [], {}
         for shape in s.ladder:
@@ -78,31 +102,43 @@ def plan(lab: LabConfig, sid: str) -> tuple[list[Trial], list[str]]:
         if not models:
             raise ConfigError(f"no sweep.ladder shape suits {arch}: {notes[-1]}")
         for budget in s.budgets:
-            kept = 0
+            kept = []
             for shape, m in models:
-                fpt = m.flops_per_token()
-                steps = steps_for_budget(fpt, budget, tokens_per_step)
-                if steps < s.min_steps:
+                trial = point(lab, sid, arch, budget, shape, m, t.seed)
+                if trial.steps < s.min_steps:
                     notes.append(
-                        f"{arch} C={budget:.2e} d={shape.d_model} L={shape.n_layers}: {steps} steps"
+                        f"{arch} C={budget:.2e} d={shape.d_model} L={shape.n_layers}: {trial.steps} steps"
                         f" < sweep.min_steps={s.min_steps}, left out"
                     )
                     continue
-                kept += 1
-                rid = digest([sid, arch, budget, asdict(m), ident["data"], ident["train"], steps])
-                trials.append(Trial(rid, arch, budget, shape, m, m.n_params(), fpt, steps * tokens_per_step, steps))
+                kept.append((shape, m, trial))
             if not kept:
                 need = min(train_flops(m.flops_per_token(), s.min_steps * tokens_per_step) for _, m in models)
                 raise ConfigError(
                     f"budget {budget:.3g} FLOPs is below the smallest {arch} model's cost"
                     f" ({need:.3g} FLOPs for sweep.min_steps={s.min_steps} steps)"
                 )
+            trials += [trial for _, _, trial in kept]
+            for seed in seeds_at(lab, budget)[1:]:  # the repeats after the budget's first pass
+                trials += [point(lab, sid, arch, budget, shape, m, seed) for shape, m, _ in kept]
     return trials, notes
 
 
 def table(trials: list[Trial]) -> str:
     """The plan as a fixed-width text table."""
-    head = ("arch", "budget", "d_model", "layers", "heads", "params", "nonembed", "FLOPs/token", "tokens", "steps")
+    head = (
+        "arch",
+        "budget",
+        "d_model",
+        "layers",
+        "heads",
+        "params",
+        "nonembed",
+        "FLOPs/token",
+        "tokens",
+        "steps",
+        "seed",
+    )
     rows = [
         (
             t.arch,
@@ -115,6 +151,7 @@ def table(trials: list[Trial]) -> str:
             f"{t.flops_per_token:.4g}",
             f"{t.tokens:,}",
             str(t.steps),
+            str(t.seed),
         )
         for t in trials
     ]

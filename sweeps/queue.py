@@ -1,10 +1,13 @@
 """A sweep's work queue in an Optuna storage: the journal file beside the database (one host, the default) or an
 RDB such as PostgreSQL (many hosts, with Optuna's heartbeat).
 
-Each queued trial carries its whole run (``run``: the RunConfig, ``row``: the runs row it will become), so a
-worker anywhere trains it without the config folder or the database; a finished trial carries its ``result``
-(metrics and curve), which whoever holds the database collects. The study's ``mixdepth`` attribute describes
-the sweep (id, name, preset, config with the storage password hidden, planned run_ids, heartbeat settings).
+Each queued trial carries its whole run (``run``: the RunConfig, ``row``: the runs row it will become, and for a
+size added to bracket an optimum ``extra``: its number at that arch and budget), so a worker anywhere trains it
+without the config folder or the database; a finished trial carries its ``result`` (metrics and curve), which
+whoever holds the database collects, and its val_loss as the trial's value. Beside them each trial shows what it is
+as flat user attributes (``ATTRS``: arch, budget, params, tokens, d_model, n_layers, seed, extra), which
+optuna-dashboard lists. The study's ``mixdepth`` attribute describes the sweep (id, name, preset, config with the
+storage password hidden, run_ids planned and added, provenance, heartbeat settings).
 """
 
 from __future__ import annotations
@@ -187,6 +190,25 @@ def trials(study: optuna.Study, *states: TrialState) -> list[optuna.trial.Frozen
     return [t for t in study.get_trials(deepcopy=False, states=states or None) if "run" in t.user_attrs]
 
 
+# The flat user attributes of a queued trial: name -> the runs column it shows (``extra`` is the payload's own).
+ATTRS = {
+    "arch": "arch",
+    "budget": "budget",
+    "params": "params_nonembed",
+    "tokens": "tokens",
+    "d_model": "d_model",
+    "n_layers": "n_layers",
+    "seed": "seed",
+}
+
+
+def attrs(payload: dict[str, Any]) -> dict[str, Any]:
+    """The user attributes of a trial of ``payload``: the run itself and what it is, flat."""
+    row = payload["row"]
+    flat = {name: row[col] for name, col in ATTRS.items()}
+    return {"run": payload, **flat, **({"extra": payload["extra"]} if "extra" in payload else {})}
+
+
 def enqueue(study: optuna.Study, payloads: list[dict[str, Any]], skip_finished: bool = True) -> int:
     """Queue the runs whose run_id has no queued or running trial yet, nor (``skip_finished``) a finished one;
     returns how many were queued."""
@@ -194,13 +216,27 @@ def enqueue(study: optuna.Study, payloads: list[dict[str, Any]], skip_finished: 
     have = {run_id(t) for t in trials(study, *states)}
     fresh = [p for p in payloads if p["row"]["run_id"] not in have]
     for p in fresh:
-        study.enqueue_trial({}, user_attrs={"run": p})
+        study.enqueue_trial({}, user_attrs=attrs(p))
     return len(fresh)
 
 
 def requeue(study: optuna.Study, trial: optuna.trial.FrozenTrial | optuna.Trial) -> None:
     """A new waiting trial of the same run, behind the queued ones."""
-    study.enqueue_trial({}, user_attrs={"run": trial.user_attrs["run"]})
+    study.enqueue_trial({}, user_attrs=attrs(trial.user_attrs["run"]))
+
+
+def restart(study: optuna.Study, payloads: dict[str, dict[str, Any]], done: set[str]) -> None:
+    """Tidy the queue of a sweep that starts again: a queued (never started) trial keeps its place with this
+    command's ``payloads[run_id]`` (the same run; only keys outside the sweep's identity, such as train.devices,
+    may differ), and one whose run ``done`` already holds is ended unstarted (FAIL without a start: no attempt)."""
+    storage = study._storage
+    for t in trials(study, TrialState.WAITING):
+        rid = run_id(t)
+        if rid in done:
+            storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+        elif rid in payloads and t.user_attrs["run"] != payloads[rid]:
+            for key, value in attrs(payloads[rid]).items():
+                storage.set_trial_user_attr(t._trial_id, key, value)
 
 
 def pop(study: optuna.Study) -> optuna.Trial | None:

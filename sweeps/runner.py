@@ -5,18 +5,18 @@ from __future__ import annotations
 import os
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import optuna
 from optuna.trial import TrialState
 
 from mixdepth import results
-from mixdepth.config import ConfigError, LabConfig
+from mixdepth.config import ConfigError, LabConfig, TrainConfig
 from mixdepth.data import load_corpus
 from mixdepth.launch import check_devices
 from mixdepth.train import RunConfig
-from sweeps import queue
+from sweeps import bracket, provenance, queue
 from sweeps.collect import collect_study
 from sweeps.journal import repair
 from sweeps.paths import SweepPaths
@@ -49,9 +49,22 @@ def plan_row(sid: str, trial: Trial, lab: LabConfig) -> dict:
         "steps": trial.steps,
         "batch_size": lab.train.batch_size,
         "lr": lab.train.lr,
-        "seed": lab.train.seed,
-        "config": {"model": asdict(m), "data": asdict(lab.data), "train": asdict(lab.train)},
+        "seed": trial.seed,
+        "config": {"model": asdict(m), "data": asdict(lab.data), "train": asdict(run_train(lab, trial))},
     }
+
+
+def run_train(lab: LabConfig, trial: Trial) -> TrainConfig:
+    """The train section a run trains with: the sweep's, with the run's seed (initialisation and data order)."""
+    return replace(lab.train, seed=trial.seed)
+
+
+def payload(lab: LabConfig, sid: str, trial: Trial, extra: int | None = None) -> dict:
+    """What the queue carries of a run (``queue.encode_run``); ``extra``: the number of a size added to bracket an
+    optimum at its (arch, budget)."""
+    run = RunConfig(model=trial.model, data=lab.data, train=run_train(lab, trial), steps=trial.steps)
+    p = queue.encode_run(run, plan_row(sid, trial, lab))
+    return p if extra is None else {**p, "extra": extra}
 
 
 def public_config(lab: LabConfig) -> dict:
@@ -82,9 +95,9 @@ def _storage(lab: LabConfig, paths: SweepPaths) -> optuna.storages.BaseStorage:
 
 
 def _study(lab: LabConfig, storage, meta: dict) -> optuna.Study:
-    """The sweep's study, created or loaded, its description (re)written. In the journal, unfinished trials are
-    a killed sweep's (this process holds the database), so they are failed; in an RDB shared by hosts only runs
-    whose heartbeat stopped are failed (and queued again), by the drain loop."""
+    """The sweep's study, created or loaded. In the journal, running trials are a killed sweep's (this process
+    holds the database), so they are failed; queued ones keep their place (``queue.restart``). In an RDB shared by
+    hosts only runs whose heartbeat stopped are failed (and queued again), by the drain loop."""
     study = optuna.create_study(
         study_name=meta["sweep_id"],
         storage=storage,
@@ -92,18 +105,41 @@ def _study(lab: LabConfig, storage, meta: dict) -> optuna.Study:
         load_if_exists=True,
         sampler=optuna.samplers.RandomSampler(seed=0),
     )
-    study.set_user_attr(queue.SWEEP_ATTR, meta)
-    study.set_user_attr("run_ids", meta["run_ids"])
     if not lab.sweep.storage:
-        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.WAITING)):
+        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
     return study
 
 
+def _extras(study: optuna.Study, lab: LabConfig, sid: str) -> dict[str, dict]:
+    """run_id -> payload (this command's) of every size added earlier to bracket an optimum, whatever its state."""
+    out = {}
+    for t in queue.trials(study):
+        held = t.user_attrs["run"]
+        if "extra" in held and (rid := queue.run_id(t)) not in out:
+            trial = bracket.rebuild(lab, sid, held)
+            if trial.run_id == rid:  # else a run of code that planned differently: not this sweep's any more
+                out[rid] = payload(lab, sid, trial, held["extra"])
+    return out
+
+
+def _describe(study: optuna.Study, meta: dict, runs: dict[str, dict]) -> None:
+    """(Re)write the study's description: the sweep, with the run ids it holds (planned, then added)."""
+    meta["run_ids"] = list(runs)
+    study.set_user_attr(queue.SWEEP_ATTR, meta)
+    study.set_user_attr("run_ids", meta["run_ids"])
+
+
 def run_isoflop(
-    lab: LabConfig, preset: str, paths: SweepPaths, dry_run: bool = False, enqueue_only: bool = False
+    lab: LabConfig,
+    preset: str,
+    paths: SweepPaths,
+    dry_run: bool = False,
+    enqueue_only: bool = False,
+    command: str = "",
 ) -> int:
-    """Plan the sweep, then (unless ``dry_run``) queue what the store lacks, train it, store it, fit and report.
+    """Plan the sweep, then (unless ``dry_run``) queue what the store lacks, train it, add sizes where an optimum is
+    not bracketed (``sweeps.bracket``) and train those, store it all, fit and report.
 
     Args:
         lab: the resolved config (``load_config``).
@@ -111,15 +147,23 @@ def run_isoflop(
         paths: the store, the Optuna journal, the checkpoints and the report folder, decided by the CLI.
         dry_run: print the plan and return.
         enqueue_only: queue the runs in ``sweep.storage`` for ``python -m sweeps worker`` and return; the
-            database is not opened (``python -m sweeps collect`` fills it).
+            database is not opened (``python -m sweeps collect`` fills it). Sizes to bracket optima are added only
+            by a run without it on the same storage (it collects, adds them and trains them).
+        command: the command line as it may be stored (``provenance.command``).
     """
     sid = sweep_id(lab, preset)
     trials, notes = plan(lab, sid)
+    extra = lab.sweep.max_extra
     if dry_run:
         print(f"sweep {sid}: {len(trials)} runs, {sum(t.train_flops for t in trials):.3g} training FLOPs")
         print(table(trials))
         for n in notes:
             print("note:", n)
+        if extra:
+            print(
+                f"then up to sweep.max_extra={extra} sizes per (arch, budget) may be added to bracket its optimum,"
+                " where its isoFLOP vertex falls outside the sampled sizes"
+            )
         return 0
     meta = {
         "sweep_id": sid,
@@ -127,19 +171,30 @@ def run_isoflop(
         "preset": preset,
         "config": public_config(lab),
         "run_ids": [t.run_id for t in trials],
+        "provenance": {
+            "planned": len(trials),
+            "version": provenance.version(),
+            "commit": provenance.commit(),
+            "command": command,
+        },
     }
-    payloads = [
-        queue.encode_run(RunConfig(model=t.model, data=lab.data, train=lab.train, steps=t.steps), plan_row(sid, t, lab))
-        for t in trials
-    ]
+    runs = {t.run_id: payload(lab, sid, t) for t in trials}
     if enqueue_only:  # the workers' hosts check their devices
         if not lab.sweep.storage:
             raise ConfigError("--enqueue-only queues runs for workers on other hosts: set sweep.storage to a URL")
         study = _study(lab, _storage(lab, paths), meta)
-        k = queue.enqueue(study, payloads)
+        runs |= _extras(study, lab, sid)
+        _describe(study, meta, runs)
+        k = queue.enqueue(study, list(runs.values()))
         where = queue.redact(lab.sweep.storage)
         print(f"sweep {sid}: {len(trials)} runs planned, {k} queued in {where}")
         print(f"train them on any host: python -m sweeps worker --storage {where} --sweep {sid}")
+        if extra:
+            print(
+                f"sizes that bracket optima (up to sweep.max_extra={extra} per arch and budget) are added only by"
+                " python -m sweeps isoflop on this storage without --enqueue-only: run it, with these settings, once"
+                " the workers are done (it collects their runs, then adds and trains the sizes)"
+            )
         return 0
     check_devices(lab.train)  # more devices than this host has, a launcher's other world size: before any write
     gpus = slot_gpus(lab.train, lab.sweep.workers)
@@ -147,7 +202,7 @@ def run_isoflop(
     storage = _storage(lab, paths) if lab.sweep.storage else None  # a bad URL fails before the database is made
     with results.writer(paths.db) as store:  # held for the whole sweep: the one writer of this database
         study = _study(lab, storage or _storage(lab, paths), meta)
-        return _run(lab, paths, store, study, meta, payloads, gpus)
+        return _run(lab, paths, store, study, meta, runs, gpus)
 
 
 def _gave_up(failed: dict[str, str], attempts: int) -> str:
@@ -160,19 +215,29 @@ def _gave_up(failed: dict[str, str], attempts: int) -> str:
 
 
 def _run(
-    lab: LabConfig, paths: SweepPaths, store: results.Writer, study: optuna.Study, meta: dict, payloads: list, gpus
+    lab: LabConfig,
+    paths: SweepPaths,
+    store: results.Writer,
+    study: optuna.Study,
+    meta: dict,
+    runs: dict[str, dict],
+    gpus,
 ) -> int:
     sid = meta["sweep_id"]
     shared = bool(lab.sweep.storage)  # an RDB other hosts train from; the journal is this database's alone
+    runs = {**runs, **_extras(study, lab, sid)}  # the plan, and the sizes added by an earlier run of the sweep
+    planned = meta["provenance"]["planned"]
     with store.session() as con:
-        results.add_sweep(con, sid, lab.sweep.name, meta["preset"], meta["config"])
+        results.add_sweep(con, sid, lab.sweep.name, meta["preset"], meta["config"], meta["provenance"])
         if shared:  # runs other hosts finished: the storage holds them, the database not yet
             collect_study(con, study, meta)
         done = results.finished_run_ids(con)
-    todo = [p for p in payloads if p["row"]["run_id"] not in done]
+    _describe(study, meta, runs)
+    queue.restart(study, runs, done)
+    todo = [p for rid, p in runs.items() if rid not in done]
+    added = f", {len(runs) - planned} added to bracket optima" if len(runs) > planned else ""
     print(
-        f"sweep {sid}: {len(payloads)} runs planned, {len(payloads) - len(todo)} already in {paths.db},"
-        f" {len(todo)} to run"
+        f"sweep {sid}: {planned} runs planned{added}, {len(runs) - len(todo)} already in {paths.db}, {len(todo)} to run"
     )
     queue.enqueue(study, todo, skip_finished=shared)  # with the journal the database is the record: what it lacks runs
 
@@ -185,22 +250,40 @@ def _run(
     if workers > 1:  # progress bars of several processes would mix
         host = {"threads": lab.train.threads or max(1, (os.cpu_count() or 1) // workers), "progress": False}
     start = time.perf_counter()
-    failed = Drain(
-        studies=[study],
-        slots=workers,
-        gpus=gpus,
-        train=host,
-        ckpt_root=paths.checkpoints,
-        retries=lab.sweep.retries,
-        on_done=add,
-        inline=workers == 1,
-    ).run()
-    if shared:
+    failed: dict[str, str] = {}
+    queued = len(todo)
+    while True:  # train what is queued; then add sizes where an optimum is not bracketed, until none is added
+        failed |= Drain(
+            studies=[study],
+            slots=workers,
+            gpus=gpus,
+            train=host,
+            ckpt_root=paths.checkpoints,
+            retries=lab.sweep.retries,
+            on_done=add,
+            inline=workers == 1,
+        ).run()
         with store.session() as con:
-            collect_study(con, study, meta)  # what other hosts finished meanwhile
-    print(f"trained {len(todo) - len(failed)} runs in {time.perf_counter() - start:.0f}s")
+            if shared:
+                collect_study(con, study, meta)  # what other hosts finished meanwhile
+            by_key = bracket.stored(con, sid)
+        new, left = bracket.next_sizes(lab, sid, by_key, runs) if lab.sweep.max_extra else ([], [])
+        if not new:
+            break
+        for trial, k, line in new:
+            print(line, flush=True)
+            runs[trial.run_id] = payload(lab, sid, trial, k)
+        _describe(study, meta, runs)
+        queued += queue.enqueue(study, [runs[t.run_id] for t, _, _ in new], skip_finished=shared)
+    print(f"trained {queued - len(failed)} runs in {time.perf_counter() - start:.0f}s")
+    for line in left:
+        print(f"not bracketed: {line}")
+    inside = bracket.inside(lab, by_key)
+    print(
+        "isoFLOP vertex inside the sampled sizes: "
+        + ", ".join(f"{arch} at {n} of {len(lab.sweep.budgets)} budgets" for arch, n in inside.items())
+    )
     gave_up = _gave_up(failed, lab.sweep.retries + 1) if failed else ""
-
     with store.session() as con:
         n_div, n_ok = con.execute(
             "SELECT count(*) FILTER (WHERE status = 'diverged'), count(*) FILTER (WHERE status = 'ok')"

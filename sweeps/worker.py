@@ -112,6 +112,7 @@ class Drain:
                         while pool.free and (got := self._next()):
                             study, trial = got
                             rid = queue.run_id(trial)
+                            running[rid] = (study, trial, None)  # from here a stop ends it as interrupted (below)
                             i = index.setdefault(rid, len(index) + 1)
                             k = self._attempt(study, rid)
                             note = f" (attempt {k} of {self.retries + 1})" if k > 1 else ""

@@ -43,12 +43,21 @@ def test_overrides_apply_to_sections_and_model_families():
         ("model.seq_len=64", "data.seq_len"),
         ("model.arch=mod", "sweep.archs"),
         ("novalue", "key=value"),
+        ("sweep.seeds=0", "sweep.seeds"),
+        ("sweep.max_extra=-1", "sweep.max_extra"),
+        ("sweep.seed_budgets=[3e11]", "sweep.seed_budgets"),
     ],
 )
 def test_bad_overrides_name_the_key_in_one_line(override, needle):
     with pytest.raises(ConfigError) as e:
         load_config(CONF, "isoflop", [override])
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_seeds_stay_valid_train_seeds():
+    assert load_config(CONF, "isoflop", ["train.seed=4294967294", "sweep.seeds=2"]).sweep.seeds == 2
+    with pytest.raises(ConfigError, match=r"train.seed \+ sweep.seeds - 1 = 4294967296 must be below 2\*\*32"):
+        load_config(CONF, "isoflop", ["train.seed=4294967294", "sweep.seeds=3"])
 
 
 def test_unknown_preset():

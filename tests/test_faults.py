@@ -23,6 +23,7 @@ FAULT = [  # 2 runs of one arch at one budget, one thread each (no isoFLOP fit: 
     "sweep.budgets=[5e8]",
     "sweep.ladder=[{d_model: 16, n_layers: 1, n_heads: 2}, {d_model: 32, n_layers: 1, n_heads: 2}]",
     "sweep.min_steps=4",
+    "sweep.max_extra=0",  # the grid alone (tests/test_bracket.py adds sizes)
     "data.max_bytes=200000",
     "data.val_tokens=2048",
     "data.seq_len=32",

@@ -26,6 +26,7 @@ ARGS = [
     "sweep.ladder=[{d_model: 16, n_layers: 1, n_heads: 2}, {d_model: 24, n_layers: 1, n_heads: 2},"
     " {d_model: 32, n_layers: 1, n_heads: 2}]",
     "sweep.min_steps=4",
+    "sweep.max_extra=0",  # the grid alone: sizes to bracket optima are the local sweep's (tests/test_bracket.py)
     "sweep.workers=1",
     "train.batch_size=4",
     "train.threads=1",

@@ -129,3 +129,34 @@ def test_a_metric_added_later_reaches_an_older_database(tmp_path):
     results.add_run(con, record("new", mfu=0.41), [])
     rows = con.execute("SELECT run_id, mfu, val_loss FROM runs ORDER BY run_id").fetchall()
     assert rows == [("new", 0.41, 2.5), ("old", None, 2.5)]
+
+
+def test_sweeps_carry_their_provenance_also_in_an_older_database(tmp_path):
+    """sweeps gains planned, version, commit and command (NULL for sweeps recorded before); a rerun updates them and
+    keeps created_at; isoflop_points ends with each run's seed after the columns it always had."""
+    path = tmp_path / "r.db"
+    con = results.connect(path)
+    con.execute("DROP TABLE sweeps")
+    con.execute(  # the table as databases made before provenance hold it
+        "CREATE TABLE sweeps (sweep_id VARCHAR PRIMARY KEY, name VARCHAR, preset VARCHAR, config JSON,"
+        " created_at TIMESTAMP)"
+    )
+    con.execute("INSERT INTO sweeps VALUES ('old', 'o', 'isoflop', '{}', now())")
+    con.close()
+    con = results.connect(path)
+    cols = [r[0] for r in con.execute("DESCRIBE sweeps").fetchall()]
+    assert cols == ["sweep_id", "name", "preset", "config", "created_at", "planned", "version", "commit", "command"]
+    prov = {"planned": 60, "version": "0.1.0", "commit": "ab" * 20, "command": "python -m sweeps isoflop"}
+    results.add_sweep(con, "new", "n", "isoflop", {"a": 1}, prov)
+    created = con.execute("SELECT created_at FROM sweeps WHERE sweep_id = 'new'").fetchone()
+    results.add_sweep(con, "new", "n2", "isoflop", {"a": 1}, {**prov, "planned": 61})
+    rows = con.execute("SELECT sweep_id, name, planned, version, commit, command FROM sweeps ORDER BY 1").fetchall()
+    assert rows == [("new", "n2", 61, "0.1.0", "ab" * 20, "python -m sweeps isoflop"), ("old", "o", *[None] * 4)]
+    assert con.execute("SELECT created_at FROM sweeps WHERE sweep_id = 'new'").fetchone() == created
+    with pytest.raises(results.StoreError, match="unknown sweep columns"):
+        results.add_sweep(con, "x", "x", "isoflop", {}, {"planed": 1})
+    view = [r[0] for r in con.execute("DESCRIBE isoflop_points").fetchall()]
+    assert view[-1] == "seed" and view[:-1] == [
+        "sweep_id", "arch", "budget", "run_id", "n", "params_total", "params_active", "d", "flops_per_token",
+        "train_flops", "val_loss", "val_loss_causal",
+    ]  # fmt: skip

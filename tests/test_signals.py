@@ -16,6 +16,7 @@ GRID = [
     "sweep.budgets=[3e10]",
     "sweep.ladder=[{d_model: 48, n_layers: 2, n_heads: 2}, {d_model: 32, n_layers: 2, n_heads: 2}]",
     "sweep.workers=1",
+    "sweep.max_extra=0",  # the grid alone (tests/test_bracket.py adds sizes)
     "train.progress=false",
     "data.max_bytes=200000",
     "data.val_tokens=2048",
@@ -83,7 +84,8 @@ def test_kill_9_then_rerun_resumes_and_counts_only_started_attempts(
     tmp_path, cli, cli_env, uninterrupted, val_losses, status_row
 ):
     """A sweep killed outright leaves its run in flight RUNNING and the rest of the queue WAITING; the rerun fails
-    both, trains what the store lacks, and ``status`` counts one failed attempt: queued trials never started."""
+    the running trial, trains the queued one where it waits and what the store lacks, and ``status`` counts one
+    failed attempt: queued trials never started."""
     db = tmp_path / "results.db"
     p = start(db, "[1/2]", cli_env, stderr=subprocess.DEVNULL)  # trial 1 is RUNNING from here, trial 2 WAITING
     p.kill()

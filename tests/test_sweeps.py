@@ -9,6 +9,7 @@ TINY = [
     "sweep.ladder=[{d_model: 16, n_layers: 1, n_heads: 2}, {d_model: 24, n_layers: 1, n_heads: 2},"
     " {d_model: 32, n_layers: 2, n_heads: 2}]",
     "sweep.min_steps=4",
+    "sweep.max_extra=0",  # the grid alone (tests/test_bracket.py adds sizes)
     "data.seq_len=32",
     "data.max_bytes=300000",
     "data.val_tokens=2048",
@@ -101,11 +102,20 @@ def test_rerun_skips_finished_runs(swept):
 
 
 @pytest.mark.parametrize(
-    "setting", ["train.progress=false", "sweep.workers=1", "sweep.retries=0", "sweep.name=another", "sweep.grace_period=99"]
+    "setting",
+    [
+        "train.progress=false",
+        "sweep.workers=1",
+        "sweep.retries=0",
+        "sweep.name=another",
+        "sweep.grace_period=99",
+        "sweep.max_extra=5",
+    ],
 )
 def test_display_fit_and_scheduling_settings_do_not_change_the_sweep(setting):
-    """Only result-defining keys define a sweep: changing its label, heartbeat, workers, retries or progress bars
-    resumes the same sweep id and run ids (nothing retrained); a training key makes another sweep."""
+    """Only result-defining keys define a sweep: changing its label, heartbeat, workers, retries, progress bars or
+    how many sizes it may add to bracket optima resumes the same sweep id and run ids (nothing retrained); a training
+    key makes another sweep."""
     from pathlib import Path
 
     from mixdepth.config import load_config
@@ -211,3 +221,59 @@ def test_workers_on_gpus_need_one_gpu_each(monkeypatch):
     assert _gpus(load_config(conf, "isoflop", ["sweep.workers=2", "train.devices=2"])) == ["0,1", "2,3"]
     with pytest.raises(ConfigError, match="sweep.workers=3 needs 2 GPUs each, but 4 are visible"):
         _gpus(load_config(conf, "isoflop", ["sweep.workers=3", "train.devices=2"]))
+
+
+def test_seeds_repeat_the_grid_at_the_seed_budgets():
+    """sweep.seeds repeats each grid point of sweep.seed_budgets (all budgets when empty) with train.seed + k: a run
+    id of its own, everything else the same."""
+    from pathlib import Path
+
+    from mixdepth.config import load_config
+    from sweeps.plan import plan, sweep_id
+
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    budgets = "sweep.budgets=[1e11,2e11,4e11]"
+    lab = load_config(conf, "isoflop", [budgets, "sweep.seeds=3", "sweep.seed_budgets=[2e11]", "train.seed=5"])
+    trials = plan(lab, sweep_id(lab, "isoflop"))[0]
+    assert len({t.run_id for t in trials}) == len(trials)
+    at = {b: [t for t in trials if t.budget == b] for b in lab.sweep.budgets}
+    one = len(at[1e11])
+    assert {t.seed for t in at[1e11] + at[4e11]} == {5} and len(at[2e11]) == 3 * one
+    same = lambda t: (t.arch, t.shape, t.steps, t.tokens)  # noqa: E731
+    for seed in (6, 7):
+        assert [same(t) for t in at[2e11] if t.seed == seed] == [same(t) for t in at[2e11] if t.seed == 5]
+    every = load_config(conf, "isoflop", [budgets, "sweep.seeds=2"])
+    assert len(plan(every, sweep_id(every, "isoflop"))[0]) == 2 * (len(trials) - 2 * one)
+
+
+def test_seeds_train_other_initialisations_and_data_orders(cli, tmp_path):
+    """Seed k trains with train.seed + k, stored in runs.seed and isoflop_points.seed, to another loss."""
+    args = [*(o for o in SMALL if not o.startswith(("sweep.budgets", "sweep.ladder"))), "sweep.budgets=[1e9]"]
+    r = cli(
+        "sweeps",
+        "isoflop",
+        "--db",
+        str(tmp_path / "r.db"),
+        *args,
+        "sweep.ladder=[{d_model: 16, n_layers: 1, n_heads: 2}]",
+        "sweep.seeds=2",
+        "train.seed=3",
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    con = duckdb.connect(str(tmp_path / "r.db"), read_only=True)
+    rows = con.execute("SELECT run_id, seed, val_loss, config->'$.train.seed' FROM runs ORDER BY seed").fetchall()
+    points = con.execute("SELECT seed FROM isoflop_points ORDER BY seed").fetchall()
+    con.close()
+    assert [(s, int(c)) for _, s, _, c in rows] == [(3, 3), (4, 4)] and points == [(3,), (4,)]
+    assert rows[0][0] != rows[1][0] and rows[0][2] != rows[1][2]
+
+
+def test_the_stored_command_line_hides_storage_passwords():
+    from sweeps.provenance import command
+
+    line = command(
+        ["isoflop", "sweep.storage=postgresql://me:s3cret@db/x", "--storage", "postgresql://me:s3cret@db/x", "a b"]
+    )
+    assert "s3cret" not in line and line == (  # quoted for a shell
+        "python -m sweeps isoflop 'sweep.storage=postgresql://me:***@db/x' --storage 'postgresql://me:***@db/x' 'a b'"
+    )

@@ -20,6 +20,7 @@ WATCH = [  # 4 runs, in-process, one thread
     "sweep.budgets=[1e9,2e9]",
     "sweep.ladder=[{d_model: 16, n_layers: 1, n_heads: 2}, {d_model: 24, n_layers: 1, n_heads: 2}]",
     "sweep.min_steps=4",
+    "sweep.max_extra=0",  # the grid alone (tests/test_bracket.py adds sizes)
     "sweep.workers=1",
     "data.seq_len=32",
     "data.max_bytes=200000",

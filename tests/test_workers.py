@@ -21,6 +21,7 @@ ARGS = [  # 4 runs: two short ones at the first budget, then two ~4x longer ones
     "sweep.budgets=[2.5e8,1e9]",
     "sweep.ladder=[{d_model: 16, n_layers: 1, n_heads: 2}, {d_model: 24, n_layers: 1, n_heads: 2}]",
     "sweep.min_steps=4",
+    "sweep.max_extra=0",  # the grid alone (tests/test_bracket.py adds sizes)
     "sweep.workers=2",
     "train.batch_size=4",
     "train.threads=1",

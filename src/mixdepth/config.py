@@ -106,6 +106,9 @@ class SweepConfig:
     budgets: list[float] = field(default_factory=lambda: [1e12])  # training FLOPs C per grid point
     ladder: list[Shape] = field(default_factory=list)  # model sizes tried at every budget
     min_steps: int = 20  # grid points that would train fewer steps are left out of the plan
+    max_extra: int = 2  # sizes added per (arch, budget) whose isoFLOP vertex lies outside the sampled ones; 0: none
+    seeds: int = 1  # each grid point trained with train.seed, train.seed + 1, ..., train.seed + seeds - 1
+    seed_budgets: list[float] = field(default_factory=list)  # the budgets repeated with other seeds; []: all
     workers: int = 1  # runs trained at once in spawned processes (CPU: cores/workers threads each; GPU: one per GPU)
     retries: int = 1  # with workers > 1: a run whose worker dies (or whose fit raises) is tried 1 + retries times
     storage: str = ""  # Optuna storage URL of the work queue; "": the journal file beside the database
@@ -258,6 +261,8 @@ PRECISIONS = ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true
 RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "sweep.name": (_is_name, NAME_RULE),  # a label in the store and the reports, never a path
     "sweep.min_steps": _count(1),
+    "sweep.max_extra": _count(0),
+    "sweep.seeds": _count(1),
     "sweep.workers": _count(1),
     "sweep.retries": _count(0),
     "sweep.heartbeat_interval": _count(1),
@@ -337,6 +342,11 @@ def _validate(lab: LabConfig, families: list[str]) -> None:
             raise ConfigError(f"sweep.budgets must be positive finite FLOP counts, got {c:g}")
     if len(set(s.budgets)) != len(s.budgets):
         raise ConfigError(f"sweep.budgets lists a budget twice (it would train each point twice): {list(s.budgets)}")
+    for c in s.seed_budgets:
+        if c not in s.budgets:
+            raise ConfigError(f"sweep.seed_budgets lists {c:g}, which is not one of sweep.budgets {list(s.budgets)}")
+    if lab.train.seed + s.seeds > 2**32:
+        raise ConfigError(f"train.seed + sweep.seeds - 1 = {lab.train.seed + s.seeds - 1} must be below 2**32")
     if not s.ladder:
         raise ConfigError("sweep.ladder is empty")
     shapes = [(x.d_model, x.n_layers, x.n_heads, x.n_kv_heads or x.n_heads) for x in s.ladder]

@@ -121,10 +121,20 @@ def _columns(cls: type) -> dict[str, str]:
 # Column name -> DuckDB type, in the table's column order: the record's fields, then the store's timestamp.
 RUN_COLUMNS: dict[str, str] = {**_columns(RunRecord), "created_at": "TIMESTAMP"}
 
+# The columns of ``sweeps`` after its first five (sweep_id, name, preset, config, created_at), added to older stores:
+# where the sweep came from, for its report (NULL for sweeps recorded before they existed).
+SWEEP_PROVENANCE: dict[str, str] = {
+    "planned": "INTEGER",  # runs its plan holds (grid points with their seeds; sizes added to bracket come on top)
+    "version": "VARCHAR",  # the mixdepth version that last ran it
+    "commit": "VARCHAR",  # the git commit of that code's source tree; NULL outside a git checkout
+    "command": "VARCHAR",  # the command line that last ran it (storage passwords hidden)
+}
+
 DDL = f"""
 CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR);
 CREATE TABLE IF NOT EXISTS sweeps (
-    sweep_id VARCHAR PRIMARY KEY, name VARCHAR, preset VARCHAR, config JSON, created_at TIMESTAMP
+    sweep_id VARCHAR PRIMARY KEY, name VARCHAR, preset VARCHAR, config JSON, created_at TIMESTAMP,
+    {", ".join(f"{k} {v}" for k, v in SWEEP_PROVENANCE.items())}
 );
 CREATE TABLE IF NOT EXISTS runs ({", ".join(f"{k} {v}" for k, v in RUN_COLUMNS.items())});
 CREATE TABLE IF NOT EXISTS curves (
@@ -136,7 +146,7 @@ CREATE TABLE IF NOT EXISTS fits (
 );
 CREATE OR REPLACE VIEW isoflop_points AS
     SELECT sweep_id, arch, budget, run_id, params_nonembed AS n, params_total, params_active, tokens AS d,
-           flops_per_token, train_flops, val_loss, val_loss_causal
+           flops_per_token, train_flops, val_loss, val_loss_causal, seed
     FROM runs WHERE status = 'ok' AND val_loss IS NOT NULL;
 CREATE OR REPLACE VIEW frontier AS
     SELECT * EXCLUDE (rk) FROM (
@@ -394,23 +404,42 @@ def _check_store(con: duckdb.DuckDBPyConnection, p: Path) -> None:
 
 def _add_missing_columns(con: duckdb.DuckDBPyConnection) -> None:
     """Give an existing ``runs`` table the record's columns it lacks (a metric added to ``RunMetrics`` after the
-    database was made), at the end of the table, NULL for the runs stored before; writes name their columns."""
+    database was made), and ``sweeps`` its provenance columns, at the end of the table, NULL for the rows stored
+    before; writes name their columns."""
     have = {r[0] for r in con.execute("SELECT name FROM pragma_table_info('runs')").fetchall()}
     for name, sql_type in RUN_COLUMNS.items():
         if name not in have:
             con.execute(f"ALTER TABLE runs ADD COLUMN {name} {sql_type}")
+    for name, sql_type in SWEEP_PROVENANCE.items():
+        con.execute(f"ALTER TABLE sweeps ADD COLUMN IF NOT EXISTS {name} {sql_type}")
 
 
 def _json(v: Any) -> Any:
     return json.dumps(v, sort_keys=True, default=str) if isinstance(v, (dict, list)) else v
 
 
-def add_sweep(con: duckdb.DuckDBPyConnection, sweep_id: str, name: str, preset: str, config: Mapping) -> None:
-    """Record a sweep; a rerun of it updates the row and keeps its ``created_at`` (when the sweep began)."""
+def add_sweep(
+    con: duckdb.DuckDBPyConnection,
+    sweep_id: str,
+    name: str,
+    preset: str,
+    config: Mapping,
+    provenance: Mapping[str, Any] | None = None,
+) -> None:
+    """Record a sweep; a rerun of it updates the row and keeps its ``created_at`` (when the sweep began).
+
+    Args:
+        provenance: ``SWEEP_PROVENANCE`` columns (planned, version, commit, command); those not given are NULL.
+    """
+    prov = dict(provenance or {})
+    if unknown := set(prov) - set(SWEEP_PROVENANCE):
+        raise StoreError(f"unknown sweep columns: {sorted(unknown)}")
+    cols = ["sweep_id", "name", "preset", "config", *SWEEP_PROVENANCE]
+    updated = ", ".join(f"{c} = excluded.{c}" for c in cols[1:])
     con.execute(
-        "INSERT INTO sweeps VALUES (?, ?, ?, ?, now()) ON CONFLICT (sweep_id) DO UPDATE"
-        " SET name = excluded.name, preset = excluded.preset, config = excluded.config",
-        [sweep_id, name, preset, _json(dict(config))],
+        f"INSERT INTO sweeps ({', '.join(cols)}, created_at) VALUES ({', '.join('?' * len(cols))}, now())"
+        f" ON CONFLICT (sweep_id) DO UPDATE SET {updated}",
+        [sweep_id, name, preset, _json(dict(config)), *(prov.get(c) for c in SWEEP_PROVENANCE)],
     )
 
 

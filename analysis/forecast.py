@@ -51,8 +51,8 @@ def _vertices(u: np.ndarray, log_d: np.ndarray, loss: np.ndarray) -> tuple[np.nd
         z_star = -q[1] / (2 * q2)
         l_star = q[2] - q[1] ** 2 / (4 * q2)
     u_star = mu + sd * z_star
-    order = np.argsort(u)
-    uu, dd = u[order], log_d[order]
+    uu, inv = np.unique(u, return_inverse=True)  # seed replicates repeat a size: one (ln N, ln D) per size
+    dd = np.bincount(inv, weights=log_d) / np.bincount(inv)
     slope_lo, slope_hi = (dd[1] - dd[0]) / (uu[1] - uu[0]), (dd[-1] - dd[-2]) / (uu[-1] - uu[-2])
     ld = np.interp(u_star, uu, dd)
     ld = np.where(u_star < uu[0], dd[0] + (u_star - uu[0]) * slope_lo, ld)
@@ -128,13 +128,15 @@ def _parametric(
     point = _vertices(u, log_d, fit.predict(n_h, d_h)[None, :])
     sims = _vertices(u, log_d, noisy)
     ok = np.isfinite(sims[0])  # draws whose parabola has a minimum: a vertex was measured, as it was here
-    out = {f"{k}_pred": float(v[0]) if np.isfinite(v[0]) else None for k, v in zip(("loss", "n", "d"), point)}
+    out = {
+        f"{k}_pred": float(v[0]) if np.isfinite(v[0]) else None for k, v in zip(("loss", "n", "d"), point, strict=True)
+    }
     if out["loss_pred"] is None:
         return Forecast(**base, why="the law's losses at this budget's sizes have no minimum")
     if ok.mean() < 0.5:
         return Forecast(**base, **out, why=f"intervals not identified: {1 - ok.mean():.0%} of draws have no minimum")
     q = 100 * np.array([(1 - level) / 2, (1 + level) / 2])
-    for k, v in zip(("loss", "n", "d"), sims):
+    for k, v in zip(("loss", "n", "d"), sims, strict=True):
         lo, hi = np.percentile(v[ok], q)
         out[f"{k}_lo"], out[f"{k}_hi"] = float(lo), float(hi)
     return Forecast(**base, **out)

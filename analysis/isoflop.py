@@ -221,7 +221,7 @@ def _vertex_laws(fits: list[ParabolaFit], level: float) -> tuple[PowerLaw, Power
     if len({f.budget for f in inside}) < 2:
         return None
     c = np.array([f.budget for f in inside])
-    n, d, loss = (np.array(v) for v in zip(*((f.n_opt, f.d_opt, f.loss_opt) for f in inside)))
+    n, d, loss = (np.array(v) for v in zip(*((f.n_opt, f.d_opt, f.loss_opt) for f in inside), strict=True))
     return fit_power_law(c, n, level), fit_power_law(c, d, level), fit_power_law(c, loss, level)
 
 

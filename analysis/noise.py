@@ -56,9 +56,7 @@ def seed_spread(points: pd.DataFrame, level: float = LEVEL) -> list[dict[str, An
     return rows
 
 
-def compare_to_dense(
-    points: pd.DataFrame, spread: list[dict[str, Any]], dense: str = "dense"
-) -> list[dict[str, Any]]:
+def compare_to_dense(points: pd.DataFrame, spread: list[dict[str, Any]], dense: str = "dense") -> list[dict[str, Any]]:
     """Per budget and arch other than ``dense``: its best loss minus dense's, the spread, and the verdict.
 
     Returns:

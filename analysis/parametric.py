@@ -150,7 +150,7 @@ def _identify(theta: np.ndarray, cov: np.ndarray | None, ci: dict, n_points: int
     """Why the fit is not identified, or "" (module docstring)."""
     if n_points < MIN_POINTS_PER_PARAM * theta.size:
         return f"{n_points} points for 5 parameters (needs {MIN_POINTS_PER_PARAM * theta.size})"
-    for name, v, (lo, hi) in zip(("E", "A", "B", "alpha", "beta"), theta, BOUNDS):
+    for name, v, (lo, hi) in zip(("E", "A", "B", "alpha", "beta"), theta, BOUNDS, strict=True):
         if min(v - lo, hi - v) <= 1e-6 * max(1.0, abs(v)):
             return f"{name} on its search bound"
     if cov is None or not np.all(np.isfinite(cov)) or np.any(np.diag(cov) <= 0):
@@ -161,7 +161,7 @@ def _identify(theta: np.ndarray, cov: np.ndarray | None, ci: dict, n_points: int
     for i, name in ((3, "alpha"), (4, "beta")):
         if (ci[name][1] - ci[name][0]) / 2 > theta[i]:
             return f"the {name} interval spans more than its estimate"
-    for i, name in enumerate(("E", "A", "B")):
+    for name in ("E", "A", "B"):
         if np.log(ci[name][1] / ci[name][0]) / 2 > MAX_LOG_SPAN:
             return f"the {name} interval spans more than a factor 1e3"
     return ""

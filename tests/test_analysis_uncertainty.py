@@ -77,3 +77,11 @@ def test_two_budgets_give_no_interval_and_no_forecast_interval():
     iso = next(f for f in casts if f.method == "isoflop")
     assert iso.n_pred is not None and iso.n_lo is None and iso.loss_lo is None and "not identified" in iso.why
     assert iso.inside is None
+
+
+def test_seed_replicates_of_a_size_are_forecast():
+    """Two seeds of every grid point (repeated sizes): both approaches predict, with intervals."""
+    rows = [r for s in (1, 2) for r in fake_runs(budgets=BUDGETS, sizes_per_budget=3, seed=s)]
+    n, c, d, loss = _arrays(rows)
+    for f in forecast(n, c, loss, d, holdout=1):
+        assert f.loss_lo < f.loss_pred < f.loss_hi and f.n_lo < f.n_pred < f.n_hi and f.inside is not None, f

@@ -40,7 +40,12 @@ def swept(tmp_path_factory, cli_env):
     # first under another label and heartbeat: display and scheduling keys are not the sweep's identity, so the
     # rerun below (TINY's name and the default heartbeat) resumes the same sweep and retrains nothing
     first = subprocess.run(
-        [*cmd, "sweep.name=draft", "sweep.heartbeat_interval=5"], cwd=d, capture_output=True, text=True, timeout=900, env=env
+        [*cmd, "sweep.name=draft", "sweep.heartbeat_interval=5"],
+        cwd=d,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
     )
     con = duckdb.connect(str(d / "r.db"), read_only=True)
     created = con.execute("SELECT created_at FROM sweeps").fetchall()

@@ -39,7 +39,7 @@ def _vertices(u: np.ndarray, log_d: np.ndarray, loss: np.ndarray) -> tuple[np.nd
         loss: [S, P] losses.
 
     Returns:
-        [S] L*, N*, D* (NaN where the parabola has no minimum); D* interpolated in (ln N, ln D) like
+        [S] L*, N*, D* (NaN where the parabola has no minimum, inf where N* overflows); D* interpolated in (ln N, ln D) like
         ``isoflop.fit_parabola``.
     """
     mu, sd = u.mean(), u.std()
@@ -57,7 +57,8 @@ def _vertices(u: np.ndarray, log_d: np.ndarray, loss: np.ndarray) -> tuple[np.nd
     ld = np.interp(u_star, uu, dd)
     ld = np.where(u_star < uu[0], dd[0] + (u_star - uu[0]) * slope_lo, ld)
     ld = np.where(u_star > uu[-1], dd[-1] + (u_star - uu[-1]) * slope_hi, ld)
-    return l_star, np.exp(u_star), np.exp(ld)
+    with np.errstate(over="ignore"):  # a vertex far outside overflows: left out like one without a minimum
+        return l_star, np.exp(u_star), np.exp(ld)
 
 
 def bent_law(c: np.ndarray, y: np.ndarray, c_new: float, level: float) -> tuple[float, float, float] | None:
@@ -127,7 +128,7 @@ def _parametric(
         noisy = surface * np.exp(scale[:, None] * fit.s * rng.standard_normal(surface.shape))
     point = _vertices(u, log_d, fit.predict(n_h, d_h)[None, :])
     sims = _vertices(u, log_d, noisy)
-    ok = np.isfinite(sims[0])  # draws whose parabola has a minimum: a vertex was measured, as it was here
+    ok = np.isfinite(sims).all(axis=0)  # draws whose parabola has a minimum: a vertex was measured, as here
     out = {
         f"{k}_pred": float(v[0]) if np.isfinite(v[0]) else None for k, v in zip(("loss", "n", "d"), point, strict=True)
     }

@@ -39,8 +39,8 @@ def _vertices(u: np.ndarray, log_d: np.ndarray, loss: np.ndarray) -> tuple[np.nd
         loss: [S, P] losses.
 
     Returns:
-        [S] L*, N*, D* (NaN where the parabola has no minimum, inf where N* overflows); D* interpolated in (ln N, ln D) like
-        ``isoflop.fit_parabola``.
+        [S] L*, N*, D* (NaN where the parabola has no minimum, inf where N* overflows); D* interpolated in
+        (ln N, ln D) like ``isoflop.fit_parabola``.
     """
     mu, sd = u.mean(), u.std()
     z = (u - mu) / sd

@@ -68,7 +68,7 @@ def reference(tmp_path_factory, cli_env, val_losses):
     return losses
 
 
-def test_three_workers_train_every_run_once(tmp_path, postgres, cli, cli_env, reference, val_losses):
+def test_three_workers_train_every_run_once(tmp_path, postgres, cli, cli_env, reference, val_losses, capsys):
     url = postgres.new_db()
     queued = cli("sweeps", "isoflop", "--enqueue-only", f"sweep.storage={url}", *ARGS)
     assert queued.returncode == 0, queued.stderr[-2000:]
@@ -76,17 +76,23 @@ def test_three_workers_train_every_run_once(tmp_path, postgres, cli, cli_env, re
     again = cli("sweeps", "isoflop", "--enqueue-only", f"sweep.storage={url}", *ARGS)  # queued once, however often
     assert again.returncode == 0 and "3 runs planned, 0 queued" in again.stdout, again.stderr[-2000:]
 
+    from sweeps.__main__ import main
+
     workers = [_worker(tmp_path, url, cli_env, f"w{i}") for i in range(3)]
     seen_running = False
-    while not seen_running and any(w.poll() is None for w in workers):  # status reads the storage meanwhile
-        st = cli("sweeps", "status", "--storage", url, "--db", str(tmp_path / "none.db"))
-        assert st.returncode == 0, st.stderr[-2000:]
-        seen_running = "running sweep" in st.stdout and f"{os.uname().nodename}:" in st.stdout
+    # status reads the storage meanwhile; in this process, not a new one per poll: a run can be over before a fresh
+    # interpreter has imported its way to the first read on a loaded machine
+    while not seen_running and any(w.poll() is None for w in workers):
+        assert main(["status", "--storage", url, "--db", str(tmp_path / "none.db")]) == 0
+        out = capsys.readouterr().out
+        seen_running = "running sweep" in out and f"{os.uname().nodename}:" in out
     for w in workers:
         w.wait(300)
     logs = [(tmp_path / f"w{i}.log").read_text() for i in range(3)]
     assert [w.returncode for w in workers] == [0, 0, 0], logs
     assert seen_running, "status never showed a running run with its host"
+    st = cli("sweeps", "status", "--storage", url, "--db", str(tmp_path / "none.db"))  # the CLI, once all finished
+    assert st.returncode == 0, st.stderr[-2000:]
     assert sum(log.count("val_loss=") for log in logs) == 3, logs  # each run trained by exactly one worker
     assert _trials(url) == sorted((rid, "COMPLETE") for rid in reference)
 
@@ -100,7 +106,7 @@ def test_three_workers_train_every_run_once(tmp_path, postgres, cli, cli_env, re
     assert report.returncode == 0, report.stderr[-2000:]
 
     secret = postgres.password
-    outputs = [queued.stdout, queued.stderr, first.stdout, st.stdout, report.stdout, *logs]
+    outputs = [queued.stdout, queued.stderr, first.stdout, out, st.stdout, report.stdout, *logs]
     assert not [o for o in outputs if secret in o]
     files = [p for p in tmp_path.rglob("*") if p.is_file()]
     assert db in files and not [p for p in files if secret.encode() in p.read_bytes()]

@@ -25,7 +25,7 @@ import numpy as np
 from scipy import stats
 
 from analysis.errors import AnalysisError
-from analysis.isoflop import _as_1d, fit_isoflop, fit_parabola
+from analysis.isoflop import _as_1d, fit_isoflop, fit_parabola, interp_loglog
 from analysis.parametric import fit_parametric
 from analysis.records import LEVEL, Forecast, ParabolaFit, ParametricFit
 
@@ -51,12 +51,7 @@ def _vertices(u: np.ndarray, log_d: np.ndarray, loss: np.ndarray) -> tuple[np.nd
         z_star = -q[1] / (2 * q2)
         l_star = q[2] - q[1] ** 2 / (4 * q2)
     u_star = mu + sd * z_star
-    uu, inv = np.unique(u, return_inverse=True)  # seed replicates repeat a size: one (ln N, ln D) per size
-    dd = np.bincount(inv, weights=log_d) / np.bincount(inv)
-    slope_lo, slope_hi = (dd[1] - dd[0]) / (uu[1] - uu[0]), (dd[-1] - dd[-2]) / (uu[-1] - uu[-2])
-    ld = np.interp(u_star, uu, dd)
-    ld = np.where(u_star < uu[0], dd[0] + (u_star - uu[0]) * slope_lo, ld)
-    ld = np.where(u_star > uu[-1], dd[-1] + (u_star - uu[-1]) * slope_hi, ld)
+    ld = interp_loglog(u, log_d, u_star)
     with np.errstate(over="ignore"):  # a vertex far outside overflows: left out like one without a minimum
         return l_star, np.exp(u_star), np.exp(ld)
 

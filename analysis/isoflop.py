@@ -41,17 +41,17 @@ def _as_1d(name: str, v: np.ndarray | list[float], size: int | None = None) -> n
     return a
 
 
-def _interp_loglog(u: np.ndarray, v: np.ndarray, u0: float) -> float:
-    """ln-space value at u0 of the piecewise-linear curve through (u, v), extrapolated on the end segments."""
+def interp_loglog(u: np.ndarray, v: np.ndarray, u0: np.ndarray | float) -> np.ndarray:
+    """ln-space value at u0 (any shape) of the piecewise-linear curve through (u, v), extrapolated on the end
+    segments; repeated u (seed replicates of a size) are averaged to one point."""
     uu, inv = np.unique(u, return_inverse=True)
     vv = np.bincount(inv, weights=v) / np.bincount(inv)
+    u0 = np.asarray(u0, dtype=float)
     if uu.size == 1:
-        return float(vv[0])
-    if u0 < uu[0]:
-        return float(vv[0] + (u0 - uu[0]) * (vv[1] - vv[0]) / (uu[1] - uu[0]))
-    if u0 > uu[-1]:
-        return float(vv[-1] + (u0 - uu[-1]) * (vv[-1] - vv[-2]) / (uu[-1] - uu[-2]))
-    return float(np.interp(u0, uu, vv))
+        return np.full_like(u0, vv[0])
+    out = np.interp(u0, uu, vv)
+    out = np.where(u0 < uu[0], vv[0] + (u0 - uu[0]) * (vv[1] - vv[0]) / (uu[1] - uu[0]), out)
+    return np.where(u0 > uu[-1], vv[-1] + (u0 - uu[-1]) * (vv[-1] - vv[-2]) / (uu[-1] - uu[-2]), out)
 
 
 def vertex_intervals(
@@ -156,14 +156,14 @@ def fit_parabola(
         u_star = mu + s * z_star
         n_opt = float(np.exp(u_star))
         loss_opt = float(q0c - q1 * q1 / (4.0 * q2)) if q2 != 0 else np.nan
-        d_opt = float(np.exp(_interp_loglog(u, np.log(d), u_star))) if np.isfinite(u_star) else np.nan
+        d_opt = float(np.exp(interp_loglog(u, np.log(d), u_star))) if np.isfinite(u_star) else np.nan
     inside = bool(q2 > 0 and u.min() <= u_star <= u.max())
     ci: dict = {}
     why = "the vertex is not a minimum inside the sampled sizes"
     if inside:
         ci_u, ci_l, why = vertex_intervals(X, np.asarray(q, dtype=float), loss, mu, s, level)
         if not why:
-            ends = sorted(float(np.exp(_interp_loglog(u, np.log(d), v))) for v in ci_u)
+            ends = sorted(float(np.exp(interp_loglog(u, np.log(d), v))) for v in ci_u)
             ci = {"ci_n_opt": (float(np.exp(ci_u[0])), float(np.exp(ci_u[1]))), "ci_d_opt": tuple(ends),
                   "ci_loss_opt": (float(ci_l[0]), float(ci_l[1]))}  # fmt: skip
     return ParabolaFit(

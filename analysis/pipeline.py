@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -191,6 +192,7 @@ def run_all(
     store: bool = True,
     plots: bool = True,
     report: bool = True,
+    before_report: Callable[[], None] | None = None,
 ) -> dict[str, Path]:
     """Fit a sweep, write its ``fits`` rows, figures, ``fits.json`` and ``report.md``.
 
@@ -203,6 +205,8 @@ def run_all(
         store: write the ``fits`` rows.
         plots: write the PNGs.
         report: write ``report.md``.
+        before_report: called once the fits and figures are done, before the report reads the store's summary
+            (the sweep runner records its utilisation up to the report there).
 
     Returns:
         Paths written, keyed "fits_json", "isoflop_plot", "frontier_plot", "forecast_plot" (when a series has a
@@ -218,21 +222,24 @@ def run_all(
             sid = resolve_sweep(con, sweep_id)
             points = load_points(con, sid)
             curves = load_curves(con, sid) if plots else None
-            summary = sweep_summary(con, sid)
         fits = fit_points(points, sid, holdout=holdout)
         if store:
             with session(db) as con:
                 store_fits(con, fits)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths: dict[str, Path] = {"fits_json": out / "fits.json"}
-    paths["fits_json"].write_text(json.dumps(fits.to_dict(), indent=2) + "\n")
-    notes: list[str] = []
-    long = series_points(points)
-    if plots:
-        paths.update(_figures(long, curves, fits, out, notes))
-    if report:
-        from analysis.report import write_report
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        paths: dict[str, Path] = {"fits_json": out / "fits.json"}
+        paths["fits_json"].write_text(json.dumps(fits.to_dict(), indent=2) + "\n")
+        notes: list[str] = []
+        long = series_points(points)
+        if plots:
+            paths.update(_figures(long, curves, fits, out, notes))
+        if report:
+            from analysis.report import write_report
 
-        paths["report"] = write_report(out / "report.md", fits, long, summary, paths, notes)
+            if before_report is not None:
+                before_report()
+            with session(db) as con:
+                summary = sweep_summary(con, sid)
+            paths["report"] = write_report(out / "report.md", fits, long, summary, paths, notes)
     return paths

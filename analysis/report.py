@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from analysis.records import ParabolaFit, PowerLaw
+from mixdepth import usage
 
 if TYPE_CHECKING:
     from analysis.pipeline import SweepFits
@@ -121,6 +122,23 @@ def _provenance_lines(summary: Mapping[str, Any]) -> list[str]:
         ]
     else:
         lines.append("- resolved config: not recorded")
+    return lines + [""]
+
+
+def _usage_lines(summary: Mapping[str, Any]) -> list[str]:
+    """Each sweep command's utilisation of its GPUs (FLOPs trained over wall-clock x GPUs x peak, from the command's
+    start to its report) and where its time went; with several commands, the sweep's over all of them."""
+    rows = summary.get("usage") or []
+    if not rows:
+        return []
+    lines = ["## Device use", ""]
+    for row in rows:
+        head, parts = usage.lines(row)
+        lines += [f"- command started {row['started_at']:%Y-%m-%d %H:%M:%S} UTC, {row['runs']} runs: {head}",
+                  f"  {parts.strip()}"]  # fmt: skip
+    if len(rows) > 1 and all(r["utilisation"] is not None for r in rows):
+        total = sum(r["train_flops"] for r in rows) / sum(r["wall_s"] * r["gpus"] * r["peak_flops"] for r in rows)
+        lines.append(f"- over its {len(rows)} commands: sweep utilisation {total:.1%}")
     return lines + [""]
 
 
@@ -269,6 +287,7 @@ def build_report(
     lines = [f"# Scaling-law report: sweep {summary.get('sweep_id')}", ""]
     lines += _header_lines(fits, summary)
     lines += _provenance_lines(summary)
+    lines += _usage_lines(summary)
     lines += ["## Runs per budget", ""]
     lines += _runs_table(points) if not points.empty else ["No finished runs.", ""]
 

@@ -16,7 +16,7 @@ import duckdb
 
 from analysis.errors import AnalysisError
 from analysis.records import Forecast, IsoflopFit, ParametricFit
-from mixdepth.results import StoreError, Writer, connect, store_files, writer
+from mixdepth.results import USAGE_COLUMNS, StoreError, Writer, connect, store_files, writer
 
 if TYPE_CHECKING:  # pandas is only needed once points are loaded (duckdb's .df() imports it)
     import pandas as pd
@@ -178,7 +178,22 @@ def sweep_summary(con: duckdb.DuckDBPyConnection, sweep_id: str | None) -> dict[
         "finished": sum(c for s, c in by_status.items() if s != "unknown"),
         "devices": devices,
         "software": software,
+        "usage": _usage(con, sweep_id),
     }
+
+
+def _usage(con: duckdb.DuckDBPyConnection, sweep_id: str | None) -> list[dict[str, Any]]:
+    """The sweep's ``sweep_usage`` rows (one per command that trained), oldest first; [] for older stores."""
+    if "sweep_id" not in _columns_of(con, "sweep_usage"):
+        return []
+    rows = con.execute(
+        f"SELECT {', '.join(USAGE_COLUMNS)} FROM sweep_usage WHERE sweep_id IS NOT DISTINCT FROM ? ORDER BY started_at",
+        [sweep_id],
+    ).fetchall()
+    out = [dict(zip(USAGE_COLUMNS, r, strict=True)) for r in rows]
+    for row in out:
+        row["parts"] = json.loads(row["parts"]) if isinstance(row["parts"], str) else row["parts"]
+    return out
 
 
 def _fit_id(sweep_id: str | None, arch: str, method: str, budget: float | None = None) -> str:

@@ -36,10 +36,20 @@ def digest(obj: Any, n: int = 12) -> str:
 
 # Keys that change how a sweep is shown, scheduled or fitted, never what a run trains to: not part of its identity,
 # so changing one resumes the same sweep and reuses every stored run (sweep.max_extra: how many sizes the sweep may
-# add to bracket an optimum; raising it resumes the sweep and adds more).
+# add to bracket an optimum; raising it resumes the sweep and adds more; train.compile_mode: the same model compiled
+# for speed, with CUDA graphs or autotuned matmuls, which can move results only by last bits as another GPU would).
 NOT_IDENTITY = {
-    "train": ("progress", "devices", "num_nodes", "strategy", "ckpt_every", "ckpt_dir", "keep_ckpt"),
-    "sweep": ("name", "workers", "retries", "storage", "heartbeat_interval", "grace_period", "max_extra"),
+    "train": ("progress", "compile_mode", "devices", "num_nodes", "strategy", "ckpt_every", "ckpt_dir", "keep_ckpt"),
+    "sweep": (
+        "name",
+        "workers",
+        "workers_per_gpu",
+        "retries",
+        "storage",
+        "heartbeat_interval",
+        "grace_period",
+        "max_extra",
+    ),
 }
 
 

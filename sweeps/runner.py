@@ -11,10 +11,10 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
-from mixdepth import results
+from mixdepth import results, usage
 from mixdepth.config import ConfigError, LabConfig, TrainConfig
 from mixdepth.data import load_corpus
-from mixdepth.launch import check_devices
+from mixdepth.launch import check_devices, resolve_device
 from mixdepth.train import RunConfig
 from sweeps import bracket, provenance, queue
 from sweeps.collect import collect_study
@@ -197,12 +197,19 @@ def run_isoflop(
             )
         return 0
     check_devices(lab.train)  # more devices than this host has, a launcher's other world size: before any write
-    gpus = slot_gpus(lab.train, lab.sweep.workers)
+    gpus = slot_gpus(lab.train, lab.sweep.workers, lab.sweep.workers_per_gpu)
     load_corpus(lab.data)  # fail on a bad corpus before the database is touched; fills the cache workers read
     storage = _storage(lab, paths) if lab.sweep.storage else None  # a bad URL fails before the database is made
     with results.writer(paths.db) as store:  # held for the whole sweep: the one writer of this database
         study = _study(lab, storage or _storage(lab, paths), meta)
         return _run(lab, paths, store, study, meta, runs, gpus)
+
+
+def n_gpus(train: TrainConfig, slots: list[str]) -> int:
+    """The distinct GPUs a sweep's runs train on: its slots' (``slot_gpus``), else one run's devices; 0 on CPU."""
+    if slots:
+        return len({g for s in slots for g in s.split(",")})
+    return train.devices * train.num_nodes if resolve_device(train)[0] == "gpu" else 0
 
 
 def _gave_up(failed: dict[str, str], attempts: int) -> str:
@@ -241,15 +248,19 @@ def _run(
     )
     queue.enqueue(study, todo, skip_finished=shared)  # with the journal the database is the record: what it lacks runs
 
+    used = usage.Usage(sid, lab.sweep.workers, n_gpus(lab.train, gpus))
+
     def add(_study, row: dict, res) -> None:
         with store.session() as con:
             results.add_run(con, {**row, **asdict(res.metrics)}, res.curve)
+        used.add(res.metrics, row["tokens"], row["train_flops"], 1 - res.resumed_step / row["steps"])
 
     workers = lab.sweep.workers
     host = {}
     if workers > 1:  # progress bars of several processes would mix
         host = {"threads": lab.train.threads or max(1, (os.cpu_count() or 1) // workers), "progress": False}
     start = time.perf_counter()
+    used.training = time.time()
     failed: dict[str, str] = {}
     queued = len(todo)
     while True:  # train what is queued; then add sizes where an optimum is not bracketed, until none is added
@@ -275,6 +286,7 @@ def _run(
             runs[trial.run_id] = payload(lab, sid, trial, k)
         _describe(study, meta, runs)
         queued += queue.enqueue(study, [runs[t.run_id] for t, _, _ in new], skip_finished=shared)
+    used.trained = time.time()
     print(f"trained {queued - len(failed)} runs in {time.perf_counter() - start:.0f}s")
     for line in left:
         print(f"not bracketed: {line}")
@@ -301,7 +313,17 @@ def _run(
 
     from analysis.pipeline import run_all
 
-    written = run_all(store, sid, paths.reports / sid)
+    measured: list[dict] = []
+
+    def record_usage() -> None:  # up to the report, which then states it
+        if used.runs:
+            measured.append(used.row())
+            with store.session() as con:
+                results.add_usage(con, measured[0])
+
+    written = run_all(store, sid, paths.reports / sid, before_report=record_usage)
+    for row in measured:
+        print("\n".join(usage.lines(row)))
     print(f"results: {paths.db}")
     for name, p in written.items():
         print(f"{name}: {p}")

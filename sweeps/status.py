@@ -29,11 +29,12 @@ def _storage(paths: SweepPaths, where: str | None):
 
 
 def _db_rows(paths: SweepPaths, required: bool) -> dict[str, tuple]:
-    """sweep_id -> (name, preset, created, ok, diverged, best) from the database."""
+    """sweep_id -> (name, preset, created, ok, diverged, best, GPU utilisation) from the database."""
     if not required and not paths.db.exists():
         return {}
     con = results.connect(paths.db, read_only=True)
     try:
+        used = results.sweep_utilisation(con)
         rows = con.execute(
             "SELECT s.sweep_id, s.name, s.preset, strftime(s.created_at, '%Y-%m-%d %H:%M'),"
             " count(r.run_id) FILTER (WHERE r.status = 'ok'), count(r.run_id) FILTER (WHERE r.status = 'diverged'),"
@@ -41,7 +42,15 @@ def _db_rows(paths: SweepPaths, required: bool) -> dict[str, tuple]:
         ).fetchall()
     finally:
         con.close()
-    return {r[0]: r[1:] for r in rows}
+    return {r[0]: (*r[1:], _utilisation(used.get(r[0]))) for r in rows}
+
+
+def _utilisation(used: tuple | None) -> str:
+    """The GPU utilisation column: over every command of the sweep that trained; '-' for none, 'n/a' on CPU."""
+    if used is None:
+        return "-"
+    share, wall, commands = used
+    return "n/a" if share is None else f"{share:.1%} ({commands} cmd, {wall:.0f} s)"
 
 
 def _fixed_width(head: tuple[str, ...], body: list[tuple[str, ...]]) -> list[str]:
@@ -64,20 +73,21 @@ def status_table(paths: SweepPaths, where: str | None = None) -> str:
         return f"no sweeps in {queue.redact(where) if where else paths.db}"
     body, running = [], []
     for sid in ids:
-        name, preset, created, ok, diverged, best = db.get(sid) or (
+        name, preset, created, ok, diverged, best, util = db.get(sid) or (
             metas[sid]["name"],
             metas[sid]["preset"],
             "-",
             0,
             0,
             None,
+            "-",
         )
         c = counts.get(sid)
         queued = ("?",) * 5 if c is None else map(str, (c.planned, c.finished, c.queued, len(c.running), c.failed))
         planned, finished, *rest = queued
         body.append(
             (sid, name, preset, created, planned, str(ok), str(diverged), finished, *rest)
-            + ("-" if best is None else f"{best:.4f}",)
+            + ("-" if best is None else f"{best:.4f}", util)
         )
         running += [(sid, rid, host, since) for rid, host, since in (c.running if c else [])]
     head = (
@@ -93,6 +103,7 @@ def status_table(paths: SweepPaths, where: str | None = None) -> str:
         "running",
         "failed attempts",
         "best val_loss",
+        "GPU utilisation",
     )
     lines = _fixed_width(head, body)
     if running:

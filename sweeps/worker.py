@@ -183,19 +183,24 @@ class Drain:
             failed[rid] = why
 
 
-def slot_gpus(train: TrainConfig, workers: int) -> list[str]:
+def slot_gpus(train: TrainConfig, workers: int, per_gpu: int = 1) -> list[str]:
     """CUDA_VISIBLE_DEVICES of each training slot: ``train.devices`` GPUs each when more than one run trains at
-    once on GPUs, else none. Called after ``launch.check_devices`` and before the store or the storage is opened
-    (a dry run, which trains nothing, plans GPU presets on any machine)."""
+    once on GPUs, else none; ``per_gpu`` consecutive slots share their GPUs (small runs side by side). Called after
+    ``launch.check_devices`` and before the store or the storage is opened (a dry run, which trains nothing, plans
+    GPU presets on any machine)."""
     if workers == 1 or resolve_device(train)[0] != "gpu":
         return []
     n, per = torch.cuda.device_count(), train.devices
-    if workers * per > n:
-        each = "one GPU" if per == 1 else f"{per} GPUs"
-        raise ConfigError(f"sweep.workers={workers} needs {each} each, but {n} are visible")
+    groups = -(-workers // per_gpu)
+    if groups * per > n:
+        if per_gpu > 1:
+            need = f"at sweep.workers_per_gpu={per_gpu} needs {groups * per} GPUs"
+        else:
+            need = f"needs {'one GPU' if per == 1 else f'{per} GPUs'} each"
+        raise ConfigError(f"sweep.workers={workers} {need}, but {n} are visible")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     ids = visible.split(",") if visible else [str(i) for i in range(n)]
-    return [",".join(ids[i * per : (i + 1) * per]) for i in range(workers)]
+    return [",".join(ids[(i // per_gpu) * per : (i // per_gpu + 1) * per]) for i in range(workers)]
 
 
 # A worker's own train keys, over a queued run's: where and how it trains, never what.

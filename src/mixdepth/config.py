@@ -79,6 +79,7 @@ class TrainConfig:
     accelerator: str = "auto"  # auto | cpu | gpu
     precision: str = "auto"  # auto: 32-true on CPU, bf16-mixed on GPU; or any Lightning precision string
     compile: bool = False  # torch.compile the model (GPU presets)
+    compile_mode: str = "default"  # torch.compile mode: default | reduce-overhead (CUDA graphs) | max-autotune | ...
     peak_flops: float = 0.0  # FLOP/s assumed for MFU; 0: known-device table, else MFU is not reported
     log_every: int = 10  # steps between curve points
     threads: int = 0  # torch.set_num_threads on CPU; 0 leaves PyTorch's default
@@ -109,7 +110,8 @@ class SweepConfig:
     max_extra: int = 2  # sizes added per (arch, budget) whose isoFLOP vertex lies outside the sampled ones; 0: none
     seeds: int = 1  # each grid point trained with train.seed, train.seed + 1, ..., train.seed + seeds - 1
     seed_budgets: list[float] = field(default_factory=list)  # the budgets repeated with other seeds; []: all
-    workers: int = 1  # runs trained at once in spawned processes (CPU: cores/workers threads each; GPU: one per GPU)
+    workers: int = 1  # runs trained at once in spawned processes (CPU: cores/workers threads each; GPU: see below)
+    workers_per_gpu: int = 1  # GPU: workers that share one GPU (small runs side by side); sweep.workers in all
     retries: int = 1  # with workers > 1: a run whose worker dies (or whose fit raises) is tried 1 + retries times
     storage: str = ""  # Optuna storage URL of the work queue; "": the journal file beside the database
     heartbeat_interval: int = 60  # RDB storage: seconds between a running trial's heartbeats
@@ -256,6 +258,9 @@ def _one_of(*choices: str) -> tuple[Callable[[Any], bool], str]:
 # Lightning's precision settings that train here (auto: 32-true on CPU, bf16-mixed on GPU).
 PRECISIONS = ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true")
 
+# torch.compile's modes (reduce-overhead and max-autotune capture CUDA graphs).
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
 # Every scalar field's range or choice, checked by load_config before any file is opened, and by load_corpus for
 # data configs built in code: key -> (check, what the value must be).
 RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
@@ -264,6 +269,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "sweep.max_extra": _count(0),
     "sweep.seeds": _count(1),
     "sweep.workers": _count(1),
+    "sweep.workers_per_gpu": _count(1),
     "sweep.retries": _count(0),
     "sweep.heartbeat_interval": _count(1),
     "sweep.grace_period": _count(1),
@@ -286,6 +292,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "train.seed": ((lambda v: 0 <= v < 2**32), "in [0, 2**32)"),
     "train.accelerator": _one_of("auto", "cpu", "gpu"),
     "train.precision": _one_of(*PRECISIONS),
+    "train.compile_mode": _one_of(*COMPILE_MODES),
     "train.peak_flops": _real(0),
     "train.log_every": _count(1),
     "train.threads": _count(0),

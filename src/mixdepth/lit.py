@@ -22,6 +22,9 @@ from mixdepth.checkpoints import STATE, model_spec, rng_state, set_rng_state
 from mixdepth.config import DataConfig, DataError, TrainConfig
 from mixdepth.data import Corpus, ShardedBatchSampler, TokenWindows, as_batch, load_corpus
 
+# torch.compile modes that capture CUDA graphs (their outputs live in buffers the next replay overwrites).
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
 
 def lr_lambda(step: int, total: int, warmup: int, min_ratio: float) -> float:
     """Linear warmup to 1 over ``warmup`` steps, then cosine decay to ``min_ratio`` at ``total``."""
@@ -50,7 +53,10 @@ class LitLM(L.LightningModule):
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         x, y = batch  # [B, T], [B, T]
+        graphs = self._begin_graph_step()
         loss = self.model.loss(x, y)
+        if graphs:
+            loss = loss.clone()  # the graph's output buffer is overwritten by the next replay; Lightning keeps the loss
         step = self.global_step + 1
         if step % self.cfg.log_every == 0 or step == self.max_steps or step == 1:
             # the global batch's mean loss: ranks hold equal token counts, so the mean of their means
@@ -68,8 +74,17 @@ class LitLM(L.LightningModule):
             self.log("loss", value, prog_bar=True, on_step=True, logger=False)
         return loss
 
+    def _begin_graph_step(self) -> bool:
+        """Under CUDA graphs, tell torch a new iteration begins (the last one's graph outputs may be overwritten);
+        whether the model runs as CUDA graphs."""
+        graphs = self.cfg.compile and self.cfg.compile_mode in CUDA_GRAPH_MODES
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        return graphs
+
     def validation_step(self, batch, batch_idx: int) -> None:
         x, y = batch
+        self._begin_graph_step()
         for name, value in self.model.eval_sums(x, y).items():
             if name not in self.val_sums:
                 # nan_strategy='disable': a NaN statistic stays NaN (the default drops it, and a diverged run's mean

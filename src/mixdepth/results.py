@@ -46,8 +46,8 @@ class RunMetrics:
     val_loss: Double | None  # held-out mean token loss (nats)
     val_loss_causal: Double | None  # routed archs: loss under causal routing; NULL otherwise
     train_loss: Double | None  # mean loss over the last logged steps
-    wall_s: Double
-    tokens_per_s: Double
+    wall_s: Double  # training (fit) seconds, over every process the run trained in; compilation included
+    tokens_per_s: Double  # steady state: the ThroughputMonitor's window of the last steps (else tokens / wall_s)
     mfu: Double | None  # model FLOPs utilisation against peak_flops; NULL when no peak is known
     peak_flops: Double | None  # the peak FLOP/s MFU assumed
     device: Varchar
@@ -56,6 +56,8 @@ class RunMetrics:
     corpus: Varchar
     corpus_fingerprint: Varchar
     routing_stats: Json | None  # routed archs: capacity, predictor accuracy/precision/recall, expert load
+    setup_s: Double | None = None  # seconds before training: corpus, model, trainer (the last process it ran in)
+    eval_s: Double | None = None  # seconds after training: final checkpoint and the held-out evaluation
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,10 @@ CREATE TABLE IF NOT EXISTS curves (
 CREATE TABLE IF NOT EXISTS fits (
     fit_id VARCHAR, sweep_id VARCHAR, arch VARCHAR, method VARCHAR, budget DOUBLE,
     params JSON, ci JSON, n_points INTEGER, objective DOUBLE, created_at TIMESTAMP
+);
+CREATE TABLE IF NOT EXISTS sweep_usage (
+    sweep_id VARCHAR, started_at TIMESTAMP, wall_s DOUBLE, gpus INTEGER, peak_flops DOUBLE, train_flops DOUBLE,
+    runs INTEGER, utilisation DOUBLE, parts JSON
 );
 CREATE OR REPLACE VIEW isoflop_points AS
     SELECT sweep_id, arch, budget, run_id, params_nonembed AS n, params_total, params_active, tokens AS d,
@@ -498,6 +504,36 @@ def add_runs(
         finally:  # a failed write leaves no view behind on the caller's connection
             con.unregister("runs_df")
             con.unregister("curves_df")
+
+
+USAGE_COLUMNS = (
+    "sweep_id", "started_at", "wall_s", "gpus", "peak_flops", "train_flops", "runs", "utilisation", "parts"
+)  # fmt: skip
+
+
+def add_usage(con: duckdb.DuckDBPyConnection, row: Mapping[str, Any]) -> None:
+    """Record one sweep command's use of its devices (``sweeps.usage``): one row per command that trained."""
+    if unknown := set(row) - set(USAGE_COLUMNS):
+        raise StoreError(f"unknown sweep_usage columns: {sorted(unknown)}")
+    con.execute(
+        f"INSERT INTO sweep_usage ({', '.join(USAGE_COLUMNS)}) VALUES ({', '.join('?' * len(USAGE_COLUMNS))})",
+        [_json(row.get(c)) for c in USAGE_COLUMNS],
+    )
+
+
+def sweep_utilisation(con: duckdb.DuckDBPyConnection) -> dict[str, tuple[float | None, float, int]]:
+    """sweep_id -> (utilisation over all its commands, wall seconds, commands): the training FLOPs of the commands
+    over their wall-clock x GPUs x per-GPU peak; utilisation None where a command had no known peak (CPU). Empty for
+    a store made before ``sweep_usage`` existed."""
+    tables = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+    if "sweep_usage" not in tables:
+        return {}
+    rows = con.execute(
+        "SELECT sweep_id, CASE WHEN count(*) = count(utilisation)"
+        " THEN sum(train_flops) / sum(wall_s * gpus * peak_flops) END, sum(wall_s), count(*)"
+        " FROM sweep_usage GROUP BY sweep_id"
+    ).fetchall()
+    return {r[0]: (r[1], r[2], r[3]) for r in rows}
 
 
 def add_fits(con: duckdb.DuckDBPyConnection, sweep_id: str | None, rows: Iterable[Mapping[str, Any]]) -> None:

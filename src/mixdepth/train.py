@@ -172,6 +172,7 @@ def fit(run: RunConfig, cache_dir: Path | None = None) -> RunResult:
 def _fit(run: RunConfig, cache_dir: Path | None) -> RunResult:
     """``fit`` on one rank."""
     _quiet()
+    entered = time.perf_counter()
     t = run.train
     if t.threads > 0:
         torch.set_num_threads(t.threads)
@@ -184,7 +185,7 @@ def _fit(run: RunConfig, cache_dir: Path | None) -> RunResult:
     corpus = dm.corpus
     model = MODELS[run.model.arch][1](run.model)
     if t.compile:
-        model.compile()
+        model.compile(mode=None if t.compile_mode == "default" else t.compile_mode)
     tokens_per_batch = t.batch_size * run.data.seq_len  # the optimizer step's, over all ranks
     fpt = run.model.flops_per_token()
     lit = LitLM(model, t, run.steps, flops_per_batch=train_flops(fpt, tokens_per_batch) / world)
@@ -195,18 +196,23 @@ def _fit(run: RunConfig, cache_dir: Path | None) -> RunResult:
     trainer = make_trainer(t, run.steps, accelerator, precision, [monitor, *saver], run.ckpt_dir)
     resume = resume_path(ckpt_dir) if ckpt_dir else None
     lit.started = time.perf_counter()
+    setup = lit.started - entered  # corpus, model, compile wrapper, trainer (not the compilation: the first steps)
     _call(trainer, trainer.fit, lit, datamodule=dm, ckpt_path=resume)  # the datamodule: its loaders see the rank
     wall = lit.wall_s()
+    evaluated = time.perf_counter()
     if ckpt_dir:
         drop_hpc_checkpoints(ckpt_dir)
     if ckpt_dir and t.keep_ckpt:
         trainer.save_checkpoint(ckpt_dir / FINAL)
     trainer.limit_val_batches = 1.0
     _call(trainer, trainer.validate, lit, datamodule=dm, verbose=False)
+    evaluated = time.perf_counter() - evaluated  # the final checkpoint and the held-out evaluation
 
     # The ThroughputMonitor measures on rank 0 only (per device, items = this rank's tokens); every rank returns
     # rank 0's figures. Its device/mfu is per-device FLOP/s (flops_per_batch is per device) over the per-device peak.
-    tp, wall = trainer.strategy.broadcast((monitor.summary() if trainer.is_global_zero else None, wall), src=0)
+    tp, wall, setup, evaluated = trainer.strategy.broadcast(
+        (monitor.summary() if trainer.is_global_zero else None, wall, setup, evaluated), src=0
+    )
     tokens = run.steps * tokens_per_batch
     tail = [p["train_loss"] for p in lit.curve[-max(1, len(lit.curve) // 10) :]]
     stats = dict(lit.val_metrics)  # what is left after the two losses: routing statistics
@@ -223,6 +229,8 @@ def _fit(run: RunConfig, cache_dir: Path | None) -> RunResult:
         val_loss_causal=losses.get("val_loss_causal"),
         train_loss=losses["train_loss"],
         wall_s=wall,
+        setup_s=setup,
+        eval_s=evaluated,
         tokens_per_s=tps,
         mfu=tp.get("device/mfu"),
         peak_flops=peak,

@@ -1,0 +1,118 @@
+"""Sweep utilisation: the training FLOPs one sweep command trained over what its GPUs could have done in its
+wall-clock, from the command's start to its report (wall x GPUs x per-GPU peak), and where the time went.
+
+The parts share the command's device time: start-up (interpreter, imports, plan, corpus, store) and analysis (fits,
+figures; up to the report) hold every device; each run's set-up, compilation and first steps (its fit time beyond
+its steady-state steps), steady-state steps and evaluation hold its slot, and so does the time between runs (queue,
+worker start, hand-over) and slots left idle. Slots that share a GPU (``sweep.workers_per_gpu``) each count as
+that share of it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import time
+from dataclasses import dataclass, field
+
+PARTS = ("start-up", "run set-up", "compilation and first steps", "training steps", "evaluation",
+         "idle or between runs", "analysis")  # fmt: skip
+
+
+def process_start() -> float:
+    """When this process started (seconds since the epoch): from /proc on Linux, else now."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, after the command name
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+
+
+@dataclass
+class Usage:
+    """Collects one sweep command's runs and phases; ``row`` is its ``sweep_usage`` row.
+
+    Attributes:
+        sweep_id: the sweep.
+        slots: runs trained at once.
+        gpus: distinct GPUs the slots train on (0 on CPU: no utilisation, the parts still say where time went).
+        started: when the command started (``process_start``).
+    """
+
+    sweep_id: str
+    slots: int
+    gpus: int
+    started: float = field(default_factory=process_start)
+    training: float | None = None  # when the first run was handed out
+    trained: float | None = None  # when the last run ended
+    flops: float = 0.0
+    peak: float | None = None
+    runs: int = 0
+    per_run: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS[1:5], 0.0))
+    mfu_flops: float = 0.0  # sum of MFU x FLOPs over the runs, for their FLOP-weighted mean MFU
+
+    def add(self, metrics, tokens: int, train_flops: float, share: float = 1.0) -> None:
+        """One finished run: its ``RunMetrics``, tokens and training FLOPs; ``share`` of it trained in this command
+        (a run resumed from a checkpoint trained the rest earlier)."""
+        wall = metrics.wall_s * share
+        steady = min(wall, tokens * share / metrics.tokens_per_s)  # its steps at the steady-state rate
+        self.per_run["run set-up"] += metrics.setup_s or 0.0
+        self.per_run["compilation and first steps"] += wall - steady
+        self.per_run["training steps"] += steady
+        self.per_run["evaluation"] += metrics.eval_s or 0.0
+        self.flops += train_flops * share
+        self.runs += 1
+        self.peak = self.peak or metrics.peak_flops
+        if metrics.mfu is not None:
+            self.mfu_flops += metrics.mfu * train_flops * share
+
+    def row(self, now: float | None = None) -> dict:
+        """The ``sweep_usage`` row up to ``now`` (default: this moment); parts in device-seconds, summing to
+        wall x devices."""
+        now = time.time() if now is None else now
+        training = self.training if self.training is not None else now
+        trained = self.trained if self.trained is not None else now
+        wall, devices = now - self.started, max(self.gpus, 1)
+        per_slot = devices / self.slots  # device-seconds per slot-second
+        between = self.slots * (trained - training) - sum(self.per_run.values())
+        parts = {
+            "start-up": (training - self.started) * devices,
+            **{k: v * per_slot for k, v in self.per_run.items()},
+            "idle or between runs": max(0.0, between) * per_slot,
+            "analysis": (now - trained) * devices,
+        }
+        known = self.gpus > 0 and self.peak is not None
+        return {
+            "sweep_id": self.sweep_id,
+            "started_at": dt.datetime.fromtimestamp(self.started, dt.UTC).replace(tzinfo=None),
+            "wall_s": wall,
+            "gpus": self.gpus,
+            "peak_flops": self.peak if known else None,
+            "train_flops": self.flops,
+            "runs": self.runs,
+            "utilisation": self.flops / (wall * devices * self.peak) if known else None,
+            "parts": {**parts, "runs_mfu": self.mfu_flops / self.flops if known and self.flops else None},
+        }
+
+
+def lines(row: dict) -> list[str]:
+    """What a sweep prints at its end (and the report and ``sweeps status`` say): utilisation and its parts."""
+    parts, wall = row["parts"], row["wall_s"]
+    device_s = wall * max(row["gpus"], 1)
+    if row["utilisation"] is None:
+        head = f"sweep wall-clock {wall:.0f} s (no GPU peak known: utilisation not measured)"
+    else:
+        head = (
+            f"sweep utilisation {row['utilisation']:.1%}: {row['train_flops']:.3g} training FLOPs over {wall:.0f} s"
+            f" x {row['gpus']} GPU x {row['peak_flops']:.4g} FLOP/s peak"
+        )
+    shares = []
+    for k in PARTS:
+        share = f"{k} {parts[k] / device_s:.1%}"
+        if k == "training steps" and parts.get("runs_mfu") is not None:
+            share += f" (the runs' MFU {parts['runs_mfu']:.1%}, FLOP-weighted)"
+        shares.append(share)
+    return [head, "  where the time went: " + ", ".join(shares)]

@@ -2,7 +2,7 @@
 
 loop: the Lightning path every run takes (train.make_trainer + LitLM) against a plain PyTorch loop with the
       same model, data, optimizer, schedule and clipping, alternated in one process; prints the ratio.
-mfu:  tokens/s and MFU of a GPT-2-small-shaped dense model through train.fit (bf16, torch.compile).
+mfu:  tokens/s and MFU through train.fit (bf16, torch.compile) of archs at one shape (GPT-2 small by default).
 step: training-step time and peak memory of several archs at one shape (e.g. MoD vs dense), GPU.
 ddp:  the same run through train.fit on 1 and on N CPU processes (DDP over gloo), alternated; tokens/s and ratio.
 """
@@ -20,9 +20,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from mixdepth.config import ConfigError, DataConfig, TrainConfig, model_options
+from mixdepth.config import COMPILE_MODES, ConfigError, DataConfig, TrainConfig, model_options
 from mixdepth.flops import train_flops
 from mixdepth.lit import LitLM, LMDataModule
+from mixdepth.models import MODELS
 from mixdepth.models.dense import DenseConfig, DenseLM
 from mixdepth.train import RunConfig, _quiet, fit, make_trainer, resolve_device
 
@@ -87,31 +88,44 @@ def bench_loop(args) -> None:
 
 
 def bench_mfu(args) -> None:
-    vocab = 50304
+    """Tokens/s and MFU through ``train.fit`` (the path every sweep run takes) of each arch at one shape, side by
+    side in one process; the speed of each relative to the first (MoD vs dense with the trainer's settings)."""
+    vocab = args.vocab
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "tokens.bin"
         rng = np.random.default_rng(0)
         rng.integers(0, vocab, size=args.tokens, dtype=np.uint16).tofile(path)  # synthetic: speed only
         T, d, H = args.seq_len, args.d_model, args.d_model // 64
         data = DataConfig(corpus=str(path), bin_vocab_size=vocab, seq_len=T, val_tokens=T * 64)
-        model = DenseConfig(
-            d_model=d, n_layers=args.n_layers, n_heads=H, n_kv_heads=H, seq_len=T, vocab_size=vocab, tie_embeddings=True
-        )
         train = TrainConfig(
-            batch_size=args.batch_size, compile=not args.no_compile, progress=False, log_every=50, lr=6e-4
+            batch_size=args.batch_size,
+            compile=not args.no_compile,
+            compile_mode=args.compile_mode,
+            progress=False,
+            log_every=50,
+            lr=6e-4,
         )
-        res = fit(RunConfig(model, data, train, args.steps)).metrics
-    n = model.n_params()
+        rows = []
+        for arch in args.archs.split(","):
+            model = MODELS[arch][0](
+                arch=arch, d_model=d, n_layers=args.n_layers, n_heads=H, n_kv_heads=H, seq_len=T, vocab_size=vocab,
+                tie_embeddings=True, **step_options(arch, args.set),
+            )  # fmt: skip
+            torch._dynamo.reset()
+            rows.append((arch, model, fit(RunConfig(model, data, train, args.steps)).metrics))
     print(
-        f"dense d{d} L{args.n_layers} H{H} T{T} vocab {vocab} tied: params {n['total']:,}"
-        f" (non-embedding {n['nonembed']:,}), forward FLOPs/token {model.flops_per_token():.4g}"
+        f"d{d} L{args.n_layers} H{H} T{T} vocab {vocab} tied, batch {args.batch_size}x{T}, steps {args.steps},"
+        f" compile {not args.no_compile} (mode {args.compile_mode}), window of the last {min(100, args.steps // 2)}"
+        f" steps; device {rows[0][2].device}, precision {rows[0][2].precision}"
     )
-    print(
-        f"device {res.device}, precision {res.precision}, batch {args.batch_size}x{T}, steps {args.steps},"
-        f" compile {not args.no_compile}"
-    )
-    mfu = f"MFU {res.mfu:.1%} of peak {res.peak_flops:.4g} FLOP/s" if res.mfu else "MFU n/a (no known peak)"
-    print(f"tokens/s {res.tokens_per_s:,.0f}  {mfu} (window of the last {min(100, args.steps // 2)} steps)")
+    print("| arch | params | fwd FLOPs/token | tokens/s | MFU (peak FLOP/s) | speed vs first | wall s |")
+    print("|---|---|---|---|---|---|---|")
+    for arch, model, res in rows:
+        mfu = f"{res.mfu:.1%} ({res.peak_flops:.4g})" if res.mfu else "n/a (no known peak)"
+        print(
+            f"| {arch} | {model.n_params()['total']:,} | {model.flops_per_token():.4g} | {res.tokens_per_s:,.0f} |"
+            f" {mfu} | {res.tokens_per_s / rows[0][2].tokens_per_s:.3f}x | {res.wall_s:.1f} |"
+        )
 
 
 def bench_ddp(args) -> None:
@@ -181,8 +195,6 @@ def step_options(arch: str, sets: list[str]) -> dict[str, Any]:
 def bench_step(args) -> None:
     """Training-step time and peak memory of several archs at one shape, side by side (GPU, bf16)."""
     from torch._dynamo.utils import counters
-
-    from mixdepth.models import MODELS
 
     dev = torch.device("cuda")
     T, d = args.seq_len, args.d_model
@@ -284,14 +296,18 @@ def main() -> None:
     lp.add_argument("--repeats", type=int, default=3)
     lp.add_argument("--d-model", type=int, default=128)
     lp.add_argument("--n-layers", type=int, default=4)
-    mp = sub.add_parser("mfu", help="GPT-2-small-shaped dense model: tokens/s and MFU (GPU)")
+    mp = sub.add_parser("mfu", help="tokens/s and MFU through train.fit, archs side by side (GPU)")
+    mp.add_argument("--archs", default="dense", help="comma-separated, timed in this order (ratios vs the first)")
     mp.add_argument("--steps", type=int, default=300)
     mp.add_argument("--batch-size", type=int, default=32)
     mp.add_argument("--no-compile", action="store_true")
+    mp.add_argument("--compile-mode", default="default", choices=COMPILE_MODES)
     mp.add_argument("--d-model", type=int, default=768)
     mp.add_argument("--n-layers", type=int, default=12)
     mp.add_argument("--seq-len", type=int, default=1024)
+    mp.add_argument("--vocab", type=int, default=50304, help="vocabulary (tied embeddings); 256 = byte-level")
     mp.add_argument("--tokens", type=int, default=64_000_000, help="synthetic .bin corpus size")
+    mp.add_argument("--set", nargs="*", default=[], help="arch.key=value model options, e.g. mod.capacity=0.125")
     sp = sub.add_parser("step", help="training-step time and peak memory of archs at one shape (GPU)")
     sp.add_argument("--archs", default="dense,mod")
     sp.add_argument("--d-model", type=int, default=1024)

@@ -207,6 +207,60 @@ def test_compiled_model_runs_the_op_without_breaks_or_recompiles(backend):
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
+@CUDA
+def test_capturable_in_a_cuda_graph():
+    """Forward and backward captured in one CUDA graph (no host sync anywhere), replayed on new inputs."""
+    x, w, t = _inputs(300, 64, 1000, torch.bfloat16, ignored=0.1)
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (Triton compilation, cuBLAS workspaces) off the capture stream
+        for _ in range(2):
+            xs.grad = ws.grad = None
+            linear_cross_entropy(xs, ws, t).backward()
+    torch.cuda.current_stream().wait_stream(side)
+    xs.grad = ws.grad = None  # allocated inside the graph's pool
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss = linear_cross_entropy(xs, ws, t)
+        loss.backward()
+    x2, w2, t2 = _inputs(300, 64, 1000, torch.bfloat16, seed=1, ignored=0.3)
+    with torch.no_grad():
+        for static, new in ((xs, x2), (ws, w2), (t, t2)):
+            static.copy_(new)
+    graph.replay()
+    ref = _run(linear_cross_entropy, x2, w2, t2)  # eager (cuBLAS may pick other kernels outside the capture)
+    for name, a, b in zip(("loss", "dx", "dw"), ref, (loss, xs.grad, ws.grad), strict=True):
+        assert_close(name, a.detach(), b.detach(), TOL[torch.bfloat16])
+
+
+@CUDA
+def test_compiled_reduce_overhead_under_autocast_cuda():
+    """What the trainer runs on a GPU: ``model.compile(mode="reduce-overhead")`` (Inductor + CUDA graphs) under
+    bf16 autocast: loss and gradients equal eager's within bf16 rounding, no recompile, no cudagraph skip."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model, ref = _tiny(True), _tiny(True)
+    model.compile(mode="reduce-overhead")
+    x = torch.randint(0, 97, (2, 17), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    graphs = []
+    for _ in range(4):
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss, ref_loss = model.loss(x[:, :-1], x[:, 1:]), ref.loss(x[:, :-1], x[:, 1:])
+        loss.backward()
+        ref_loss.backward()
+        assert_close("loss", ref_loss.detach(), loss.detach(), TOL[torch.bfloat16])
+        for (name, p), r in zip(model.named_parameters(), ref.parameters(), strict=True):
+            assert_close(name, r.grad, p.grad, TOL[torch.bfloat16])
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs == [1] * 4, graphs
+    assert not counters["graph_break"] and not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+
+
 @pytest.mark.parametrize(
     "args,err,msg",
     [

@@ -53,6 +53,7 @@ BENCHES: dict[str, BenchEntry | Callable[[], object]] = {
     "moda_attn": BenchEntry("kernels.moda_attn.bench", "MoDA attention fwd+bwd vs SDPA flash/cuDNN, Flex"),
     "route_gather_scatter": _route_gather_scatter_adapter,
     "grouped_mlp": BenchEntry("kernels.grouped_mlp.bench", "grouped expert SwiGLU fwd+bwd vs torch loop, dense"),
+    "linear_ce": BenchEntry("kernels.linear_ce.bench", "fused linear + cross-entropy fwd+bwd vs torch, compile, Liger"),
 }
 
 

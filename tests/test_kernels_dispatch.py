@@ -5,6 +5,7 @@ import torch
 
 from kernels.common import dispatch
 from kernels.grouped_mlp import grouped_swiglu, grouped_swiglu_naive
+from kernels.linear_ce import linear_cross_entropy, linear_cross_entropy_naive
 from kernels.moda_attn import moda_attn, moda_attn_naive
 from kernels.route_gather_scatter import route_gather, route_gather_naive, route_scatter_add, route_scatter_add_naive
 
@@ -15,6 +16,7 @@ OPS = {  # name -> (op, reference)
     "route_scatter_add": (route_scatter_add, route_scatter_add_naive),
     "grouped_swiglu": (grouped_swiglu, grouped_swiglu_naive),
     "moda_attn": (moda_attn, moda_attn_naive),
+    "linear_cross_entropy": (linear_cross_entropy, linear_cross_entropy_naive),
 }
 
 
@@ -27,6 +29,7 @@ def _call(name: str, dtype: torch.dtype, device: str):
 
     idx = torch.tensor([[1, 4, 6, 8], [0, 2, 3, 7]], device=device)
     tok, exp = torch.tensor([0, 2, 2, 1], device=device), torch.tensor([1, 0, 1, -1], device=device)
+    targets = torch.tensor([0, 10, -100, 3, 3], device=device)
     cases = {
         "route_gather": (lambda fn, x: fn(x, idx), (r(2, 9, 8),)),
         "route_scatter_add": (lambda fn, x, f, w: fn(x, idx, f, w), (r(2, 9, 8), r(2, 4, 8), r(2, 4))),
@@ -38,6 +41,7 @@ def _call(name: str, dtype: torch.dtype, device: str):
             lambda fn, *qkv: fn(*qkv),
             (r(1, 2, 5, 16), r(1, 1, 5, 16), r(1, 1, 5, 16), r(1, 1, 5, 2, 16), r(1, 1, 5, 2, 16)),
         ),
+        "linear_cross_entropy": (lambda fn, x, w: fn(x, w, targets), (r(5, 8), r(11, 8))),
     }
     return cases[name]
 

@@ -13,7 +13,9 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from kernels.grouped_mlp import grouped_swiglu_naive
+from kernels.linear_ce import linear_cross_entropy_naive
 from mixdepth.models import MODELS
+from mixdepth.models import dense as dense_module
 from mixdepth.models import moe as moe_module
 from mixdepth.models.decoding import Decoder
 
@@ -171,10 +173,13 @@ def test_analytic_flops_match_counter(arch, kw, monkeypatch):
     attention scores and values where the convention counts the mean causal context (n+1)/2 (n = T, or k among
     a routed layer's tokens): swapped here. It ignores Triton ops, so the grouped experts run their reference
     (plain matmuls, 6·d·F_e per real assignment); index ops (gather, scatter, sort) count nothing either way.
+    The fused LM loss runs its two gradient matmuls in the forward (and its FLOP formula counts them there): its
+    reference runs instead, whose forward is the convention's head, 2·d·V per token.
     Left inside the 2%: multiply-sums the counter does not see (MoD's router score and predictor output layer,
     2·d + 2·h per token and routed layer; a MoDA layer reading one slot, 2·Hq·hd per token).
     """
     monkeypatch.setattr(moe_module, "grouped_swiglu", grouped_swiglu_naive)
+    monkeypatch.setattr(dense_module, "linear_cross_entropy", linear_cross_entropy_naive)
     model = build(arch, {**kw, "attn_impl": "naive"})  # SDPA on CPU is invisible to the counter
     cfg = model.cfg
     B, T = 2, cfg.seq_len

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from kernels.linear_ce import linear_cross_entropy
 from mixdepth.models.blocks import Block, RMSNorm, Rotary
 
 
@@ -124,8 +124,9 @@ class DenseLM(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """idx [B, T] -> logits [B, T, V]; with targets [B, T], the mean next-token loss instead.
 
-        The loss lives inside forward so that a compiled model fuses the fp32 upcast and log-softmax of the
-        [B*T, V] logits (outside, they cost a quarter of a GPT-2-small step on an H200).
+        The loss is the fused head + cross-entropy (``kernels.linear_ce``): the [B*T, V] logits are made and
+        consumed in chunks, never whole (unfused, their fp32 upcast and log-softmax cost a quarter of a
+        GPT-2-small step on an H200).
         """
         x = self.embed(idx)  # [B, T, D]
         for block in self.blocks:
@@ -133,11 +134,11 @@ class DenseLM(nn.Module):
         return self.head_loss(x, targets)
 
     def head_loss(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Final hidden x [B, T, D] -> logits [B, T, V], or with targets [B, T] the mean next-token loss."""
-        logits = self.head(self.norm(x))  # [B, T, V]
+        """Final hidden x [B, T, D] -> logits [B, T, V], or with targets [B, T] the mean next-token loss (fp32)."""
+        h = self.norm(x)  # [B, T, D]
         if targets is None:
-            return logits
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            return self.head(h)  # [B, T, V]
+        return linear_cross_entropy(h.flatten(0, 1), self.head.weight, targets.flatten())
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The training objective: mean next-token cross-entropy (nats) in fp32 (+ aux losses in routed families)."""

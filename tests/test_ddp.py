@@ -170,3 +170,22 @@ def test_cluster_reads_the_launch(monkeypatch):
     assert cluster() == Cluster(1, 2, 1, 0, "127.0.0.1", 29511, True, "local")
     with pytest.raises(ConfigError, match="train.devices \\* train.num_nodes = 1 \\* 1 but local started 2 processes"):
         check_devices(TrainConfig(accelerator="cpu"))
+
+
+def test_rank_zero_s_result_stands_when_a_rank_dies_in_teardown(tmp_path):
+    """Rank 0 wrote its value (its fit returned: every collective of the run is done), then a rank aborted while its
+    process group was torn down ("terminate called without an active exception", SIGABRT): the run stands. A rank
+    that fails before rank 0 has a value ends the run with its exception, or with how it died."""
+    import pickle
+
+    from mixdepth.launch import _outcome
+
+    (tmp_path / "rank0.pkl").write_bytes(pickle.dumps(("ok", 42)))
+    assert _outcome(tmp_path, [-6, None]) == 42 and _outcome(tmp_path, [0, -6]) == 42
+    (tmp_path / "rank0.pkl").unlink()
+    (tmp_path / "rank1.pkl").write_bytes(pickle.dumps(("error", ValueError("bad batch"))))
+    with pytest.raises(ValueError, match="bad batch"):
+        _outcome(tmp_path, [None, 1])
+    (tmp_path / "rank1.pkl").unlink()
+    with pytest.raises(RuntimeError, match=r"rank 1 of 2 died \(signal 9\)"):
+        _outcome(tmp_path, [None, -9])

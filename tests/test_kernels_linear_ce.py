@@ -9,6 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from kernels.linear_ce import kernel as lk
 from kernels.linear_ce import linear_cross_entropy, linear_cross_entropy_naive
+from kernels.linear_ce import op as lop
 from kernels.testing import assert_close
 from mixdepth.models.dense import DenseConfig, DenseLM
 
@@ -17,6 +18,27 @@ CUDA = pytest.mark.skipif(DEVICE != "cuda", reason="bf16 needs a GPU (the interp
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 1e-2}
 
 pytestmark = pytest.mark.usefixtures("poison_empty")  # kernel outputs start as NaN
+FUSE_MIN_VOCAB = lop.FUSE_MIN_VOCAB
+
+
+@pytest.fixture(autouse=True)
+def _fuse_small_vocab(monkeypatch):
+    """The tests' vocabularies are small (CPU time): fuse them as the op fuses V >= FUSE_MIN_VOCAB."""
+    monkeypatch.setattr(lop, "FUSE_MIN_VOCAB", 0)
+
+
+def test_small_vocabularies_take_the_reference(monkeypatch):
+    """Below FUSE_MIN_VOCAB the op is the reference itself (compiled code fuses it with the head); from it, the
+    fused op runs."""
+    monkeypatch.setattr(lop, "FUSE_MIN_VOCAB", FUSE_MIN_VOCAB)
+    calls = []
+    monkeypatch.setattr(lop, "_fused", lambda *a: calls.append(a) or (torch.zeros(()), None, None))
+    x, w, t = _inputs(4, 8, FUSE_MIN_VOCAB - 1, torch.float32)
+    assert torch.equal(linear_cross_entropy(x, w, t), linear_cross_entropy_naive(x, w, t)) and not calls
+    if lop.use_triton("linear_cross_entropy", x):
+        x, w, t = _inputs(4, 8, FUSE_MIN_VOCAB, torch.float32)
+        linear_cross_entropy(x, w, t)
+        assert len(calls) == 1
 
 
 def _cfg(chunk_rows: int, block_v: int, block_r: int, v: int, itemsize: int) -> lk.CeConfig:

@@ -20,8 +20,8 @@ recompile, capturable in CUDA graphs: no host sync), and visible to ``FlopCounte
 formula counting the matmuls it runs.
 
 Triton or reference by ``kernels.common.dispatch.use_triton``: the fused op on CUDA tensors or under the
-interpreter (bfloat16 refused there), ``naive.py`` on a plain CPU (bit for bit the models' loss before the op)
-and for float64.
+interpreter (bfloat16 refused there), ``naive.py`` on a plain CPU (bit for bit the models' loss before the op),
+for float64, and for vocabularies below ``FUSE_MIN_VOCAB``.
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ if HAS_TRITON:
 __all__ = ["linear_cross_entropy"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # compute dtypes of the fused path
+# Smaller vocabularies take the reference, which compiled code fuses with the head (a byte model's logits, 256 per
+# token, are smaller than its hidden states: nothing to save, and an opaque op would keep Inductor from fusing).
+FUSE_MIN_VOCAB = 8192
 
 
 def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -189,7 +192,7 @@ def linear_cross_entropy(
     _validate(x, weight, targets, ignore_index, reduction, check)
     dev = x.device.type
     dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-    if not use_triton("linear_cross_entropy", x, weight, supported=dt in _DTYPES):
+    if weight.shape[0] < FUSE_MIN_VOCAB or not use_triton("linear_cross_entropy", x, weight, supported=dt in _DTYPES):
         return naive.linear_cross_entropy_naive(x, weight, targets, ignore_index=ignore_index, reduction=reduction)
     if dispatch.INTERPRET and dt == torch.bfloat16:
         raise TypeError("linear_cross_entropy: bfloat16 autocast is not supported under the Triton interpreter")

@@ -188,15 +188,20 @@ def _wait(procs: list[subprocess.Popen]) -> list[int | None]:
 
 
 def _outcome(folder: Path, codes: list[int | None]) -> Any:
+    """Rank 0's value once it wrote one: its ``fit`` returned, so every rank got through the run's collectives, and a
+    rank that dies after that (an abort in a process group's teardown) changes nothing. Else the first failed rank's
+    exception, or that a rank died."""
+    said = {r: pickle.loads(p.read_bytes()) for r in range(len(codes)) if (p := folder / f"rank{r}.pkl").exists()}
+    if 0 in said and said[0][0] == "ok":
+        return said[0][1]
     for rank, code in enumerate(codes):  # the first failed rank that said why, else the first that failed
-        path = folder / f"rank{rank}.pkl"
-        if code not in (None, 0) and path.exists():
-            raise pickle.loads(path.read_bytes())[1]
+        if code not in (None, 0) and rank in said:
+            raise said[rank][1]
     if any(c not in (None, 0) for c in codes):
         rank, code = next((r, c) for r, c in enumerate(codes) if c not in (None, 0))
         how = f"signal {-code}" if code < 0 else f"exit code {code}"
         raise RuntimeError(f"rank {rank} of {len(codes)} died ({how})")
-    return pickle.loads((folder / "rank0.pkl").read_bytes())[1]
+    raise RuntimeError("rank 0 ended without a result")
 
 
 def die_with(parent: int) -> None:

@@ -205,7 +205,8 @@ def _fit(run: RunConfig, cache_dir: Path | None) -> RunResult:
     if ckpt_dir and t.keep_ckpt:
         trainer.save_checkpoint(ckpt_dir / FINAL)
     trainer.limit_val_batches = 1.0
-    _call(trainer, trainer.validate, lit, datamodule=dm, verbose=False)
+    with torch.compiler.set_stance("force_eager"):  # a few batches: compiling the inference graph costs more
+        _call(trainer, trainer.validate, lit, datamodule=dm, verbose=False)
     evaluated = time.perf_counter() - evaluated  # the final checkpoint and the held-out evaluation
 
     # The ThroughputMonitor measures on rank 0 only (per device, items = this rank's tokens); every rank returns

@@ -263,29 +263,36 @@ def _run(
     used.training = time.time()
     failed: dict[str, str] = {}
     queued = len(todo)
-    while True:  # train what is queued; then add sizes where an optimum is not bracketed, until none is added
-        failed |= Drain(
-            studies=[study],
-            slots=workers,
-            gpus=gpus,
-            train=host,
-            ckpt_root=paths.checkpoints,
-            retries=lab.sweep.retries,
-            on_done=add,
-            inline=workers == 1,
-        ).run()
-        with store.session() as con:
-            if shared:
-                collect_study(con, study, meta)  # what other hosts finished meanwhile
-            by_key = bracket.stored(con, sid)
-        new, left = bracket.next_sizes(lab, sid, by_key, runs) if lab.sweep.max_extra else ([], [])
-        if not new:
-            break
-        for trial, k, line in new:
-            print(line, flush=True)
-            runs[trial.run_id] = payload(lab, sid, trial, k)
-        _describe(study, meta, runs)
-        queued += queue.enqueue(study, [runs[t.run_id] for t, _, _ in new], skip_finished=shared)
+    try:
+        while True:  # train what is queued; then add sizes where an optimum is not bracketed, until none is added
+            failed |= Drain(
+                studies=[study],
+                slots=workers,
+                gpus=gpus,
+                train=host,
+                ckpt_root=paths.checkpoints,
+                retries=lab.sweep.retries,
+                on_done=add,
+                inline=workers == 1,
+            ).run()
+            with store.session() as con:
+                if shared:
+                    collect_study(con, study, meta)  # what other hosts finished meanwhile
+                by_key = bracket.stored(con, sid)
+            new, left = bracket.next_sizes(lab, sid, by_key, runs) if lab.sweep.max_extra else ([], [])
+            if not new:
+                break
+            for trial, k, line in new:
+                print(line, flush=True)
+                runs[trial.run_id] = payload(lab, sid, trial, k)
+            _describe(study, meta, runs)
+            queued += queue.enqueue(study, [runs[t.run_id] for t, _, _ in new], skip_finished=shared)
+    except KeyboardInterrupt:  # Ctrl-C, SIGTERM: the runs trained so far used the devices too; their share is kept
+        used.trained = time.time()
+        if used.runs:
+            with store.session() as con:
+                results.add_usage(con, used.row(interrupted=True))
+        raise
     used.trained = time.time()
     print(f"trained {queued - len(failed)} runs in {time.perf_counter() - start:.0f}s")
     for line in left:

@@ -69,9 +69,9 @@ class Usage:
         if metrics.mfu is not None:
             self.mfu_flops += metrics.mfu * train_flops * share
 
-    def row(self, now: float | None = None) -> dict:
+    def row(self, now: float | None = None, interrupted: bool = False) -> dict:
         """The ``sweep_usage`` row up to ``now`` (default: this moment); parts in device-seconds, summing to
-        wall x devices."""
+        wall x devices; ``interrupted``: the command was stopped (Ctrl-C, SIGTERM) before its report."""
         now = time.time() if now is None else now
         training = self.training if self.training is not None else now
         trained = self.trained if self.trained is not None else now
@@ -94,7 +94,11 @@ class Usage:
             "train_flops": self.flops,
             "runs": self.runs,
             "utilisation": self.flops / (wall * devices * self.peak) if known else None,
-            "parts": {**parts, "runs_mfu": self.mfu_flops / self.flops if known and self.flops else None},
+            "parts": {
+                **parts,
+                "runs_mfu": self.mfu_flops / self.flops if known and self.flops else None,
+                "interrupted": interrupted,
+            },
         }
 
 
@@ -115,4 +119,5 @@ def lines(row: dict) -> list[str]:
         if k == "training steps" and parts.get("runs_mfu") is not None:
             share += f" (the runs' MFU {parts['runs_mfu']:.1%}, FLOP-weighted)"
         shares.append(share)
-    return [head, "  where the time went: " + ", ".join(shares)]
+    stopped = " (interrupted before its report)" if parts.get("interrupted") else ""
+    return [head + stopped, "  where the time went: " + ", ".join(shares)]

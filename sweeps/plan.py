@@ -38,7 +38,7 @@ def digest(obj: Any, n: int = 12) -> str:
 # so changing one resumes the same sweep and reuses every stored run (sweep.max_extra: how many sizes the sweep may
 # add to bracket an optimum; raising it resumes the sweep and adds more).
 NOT_IDENTITY = {
-    "train": ("progress", "devices", "num_nodes", "strategy", "ckpt_every", "ckpt_dir", "keep_ckpt"),
+    "train": ("progress", "logger", "devices", "num_nodes", "strategy", "ckpt_every", "ckpt_dir", "keep_ckpt"),
     "sweep": ("name", "workers", "retries", "storage", "heartbeat_interval", "grace_period", "max_extra"),
 }
 

@@ -1,9 +1,11 @@
-"""``python -m sweeps isoflop [--preset NAME] [--db PATH] [--conf DIR] [--dry-run | --enqueue-only] [key=value ...]``,
+"""``python -m sweeps isoflop [--preset NAME] [--db PATH] [--conf DIR] [--dry-run | --enqueue-only | --print-config]
+[key=value ...]``,
 ``worker --storage URL [--sweep ID] [--workers N] [train.key=value ...]``, ``collect --storage URL [--db PATH]
 [--sweep ID]`` and ``status [--db PATH] [--storage URL]``.
 
-The one place that knows paths: the config folder (read once by ``load_config``), the DuckDB store, the Optuna
-journal beside it and the report folders; everything below takes them as arguments.
+The one place that knows paths: the config folder (read once by ``load_config``: ``--conf``, else the presets that
+ship inside the package), the DuckDB store, the Optuna journal beside it, the report, checkpoint and logger folders;
+everything below takes them as arguments.
 """
 
 from __future__ import annotations
@@ -11,11 +13,18 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from contextlib import nullcontext
+from importlib import resources
 from pathlib import Path
 
 from sweeps.paths import SweepPaths
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+def _conf(given: Path | None):
+    """The config folder as a path (a context manager): ``--conf``, else the presets shipped as package data
+    (``sweeps/conf``: in a checkout a link to the top-level conf/; in a wheel, copies). A pip install unpacks them on
+    disk, so ``as_file`` hands over their folder as it is."""
+    return nullcontext(given) if given is not None else resources.as_file(resources.files("sweeps") / "conf")
 
 
 def _paths(db: Path) -> SweepPaths:
@@ -28,6 +37,7 @@ def _paths(db: Path) -> SweepPaths:
         journal=journal_path(db),
         reports=db.parent / f"{db.stem}_report",
         checkpoints=db.parent / f"{db.stem}_checkpoints",
+        logs=db.parent / f"{db.stem}_logs",
     )
 
 
@@ -44,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     iso.add_argument("--db", type=Path, default=Path("results.db"), help="DuckDB file (default: results.db)")
     iso.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     iso.add_argument("--enqueue-only", action="store_true", help="queue the runs in sweep.storage for workers and exit")
-    iso.add_argument("--conf", type=Path, default=CONF_DIR, help="config folder (default: this checkout's conf/)")
+    iso.add_argument("--print-config", action="store_true", help="print the merged, typed config as YAML and exit")
+    iso.add_argument("--conf", type=Path, help="config folder (default: the presets installed with mixdepth)")
     st = sub.add_parser("status", help="list the sweeps of a database: planned, running, finished, failed")
     st.add_argument("--db", type=Path, default=Path("results.db"), help="DuckDB file (default: results.db)")
     st.add_argument("--storage", help="the sweeps' storage URL (default: the journal beside the database)")
@@ -96,11 +107,18 @@ def main(argv: list[str] | None = None) -> int:
             return serve(args.storage, args.sweep, args.workers, args.overrides)
         from mixdepth.config import load_config
         from sweeps.provenance import command
-        from sweeps.runner import run_isoflop
+        from sweeps.runner import public_config, run_isoflop
 
-        if args.dry_run and args.enqueue_only:
-            raise ConfigError("--dry-run and --enqueue-only exclude each other")
-        lab = load_config(args.conf, args.preset, args.overrides)
+        modes = [f"--{m}" for m in ("dry-run", "enqueue-only", "print-config") if getattr(args, m.replace("-", "_"))]
+        if len(modes) > 1:
+            raise ConfigError(f"{' and '.join(modes)} exclude each other")
+        with _conf(args.conf) as conf:
+            lab = load_config(conf, args.preset, args.overrides)
+        if args.print_config:  # the sections as a preset would hold them; nothing is opened
+            from omegaconf import OmegaConf
+
+            print(OmegaConf.to_yaml(public_config(lab)), end="")
+            return 0
         return run_isoflop(
             lab,
             args.preset,

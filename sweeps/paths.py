@@ -12,3 +12,4 @@ class SweepPaths:
     journal: Path  # the Optuna journal: the work queue and the resume state
     reports: Path  # report folders, one per sweep id
     checkpoints: Path  # checkpoint folders of runs, one per run_id (unless train.ckpt_dir says elsewhere)
+    logs: Path  # train.logger's files: <sweep_id>/<run_id>/ of each run (mlflow: <sweep_id>/mlruns)

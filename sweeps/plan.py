@@ -39,7 +39,17 @@ def digest(obj: Any, n: int = 12) -> str:
 # add to bracket an optimum; raising it resumes the sweep and adds more; train.compile_mode: the same model compiled
 # for speed, with CUDA graphs or autotuned matmuls, which can move results only by last bits as another GPU would).
 NOT_IDENTITY = {
-    "train": ("progress", "compile_mode", "devices", "num_nodes", "strategy", "ckpt_every", "ckpt_dir", "keep_ckpt"),
+    "train": (
+        "progress",
+        "logger",
+        "compile_mode",
+        "devices",
+        "num_nodes",
+        "strategy",
+        "ckpt_every",
+        "ckpt_dir",
+        "keep_ckpt",
+    ),
     "sweep": (
         "name",
         "workers",

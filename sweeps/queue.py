@@ -160,18 +160,20 @@ def encode_run(run: Any, row: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def decode_run(payload: dict[str, Any], train: dict[str, Any], ckpt_root: Path | None):
-    """The RunConfig of a queued trial, with this worker's ``train`` keys (hardware, checkpoints) over the
-    queued ones; its checkpoint folder is ``<train.ckpt_dir or ckpt_root>/<run_id>`` when the run checkpoints."""
+def decode_run(payload: dict[str, Any], train: dict[str, Any], ckpt_root: Path | None, log_root: Path | None = None):
+    """The RunConfig of a queued trial, with this worker's ``train`` keys (hardware, checkpoints, logger) over the
+    queued ones; its checkpoint folder is ``<train.ckpt_dir or ckpt_root>/<run_id>`` when the run checkpoints, its
+    logger's ``<log_root>/<sweep_id>/<run_id>`` when it logs."""
     from mixdepth.models import MODELS
     from mixdepth.train import RunConfig
 
-    r = payload["run"]
+    r, row = payload["run"], payload["row"]
     model = MODELS[r["model"]["arch"]][0](**r["model"])
     t = TrainConfig(**{**r["train"], **train})
     root = Path(t.ckpt_dir).expanduser().absolute() if t.ckpt_dir else ckpt_root
-    ckpt = str(root / payload["row"]["run_id"]) if root is not None and t.ckpt_every else None
-    return RunConfig(model=model, data=DataConfig(**r["data"]), train=t, steps=r["steps"], ckpt_dir=ckpt)
+    ckpt = str(root / row["run_id"]) if root is not None and t.ckpt_every else None
+    logs = str(log_root / row["sweep_id"] / row["run_id"]) if log_root is not None and t.logger != "none" else None
+    return RunConfig(model, DataConfig(**r["data"]), t, r["steps"], ckpt_dir=ckpt, log_dir=logs)
 
 
 def run_id(trial: optuna.trial.FrozenTrial | optuna.Trial) -> str:

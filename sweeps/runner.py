@@ -21,6 +21,7 @@ from sweeps.collect import collect_study
 from sweeps.journal import repair
 from sweeps.paths import SweepPaths
 from sweeps.plan import Trial, plan, sweep_id, table
+from sweeps.progress import Progress
 from sweeps.worker import Drain, slot_gpus
 
 
@@ -264,29 +265,34 @@ def _run(
     failed: dict[str, str] = {}
     queued = len(todo)
     try:
-        while True:  # train what is queued; then add sizes where an optimum is not bracketed, until none is added
-            failed |= Drain(
-                studies=[study],
-                slots=workers,
-                gpus=gpus,
-                train=host,
-                ckpt_root=paths.checkpoints,
-                retries=lab.sweep.retries,
-                on_done=add,
-                inline=workers == 1,
-            ).run()
-            with store.session() as con:
-                if shared:
-                    collect_study(con, study, meta)  # what other hosts finished meanwhile
-                by_key = bracket.stored(con, sid)
-            new, left = bracket.next_sizes(lab, sid, by_key, runs) if lab.sweep.max_extra else ([], [])
-            if not new:
-                break
-            for trial, k, line in new:
-                print(line, flush=True)
-                runs[trial.run_id] = payload(lab, sid, trial, k)
-            _describe(study, meta, runs)
-            queued += queue.enqueue(study, [runs[t.run_id] for t, _, _ in new], skip_finished=shared)
+        with Progress() as bar:  # one bar over every drain: the runs added to bracket optima grow its total
+            if bar.shown:  # the sweep's bar replaces Lightning's per-run one (two bars on one terminal overwrite)
+                host["progress"] = False
+            while True:  # train what is queued; then add sizes where an optimum is not bracketed, until none is added
+                failed |= Drain(
+                    studies=[study],
+                    slots=workers,
+                    gpus=gpus,
+                    train=host,
+                    ckpt_root=paths.checkpoints,
+                    log_root=paths.logs,
+                    retries=lab.sweep.retries,
+                    on_done=add,
+                    inline=workers == 1,
+                    progress=bar,
+                ).run()
+                with store.session() as con:
+                    if shared:
+                        collect_study(con, study, meta)  # what other hosts finished meanwhile
+                    by_key = bracket.stored(con, sid)
+                new, left = bracket.next_sizes(lab, sid, by_key, runs) if lab.sweep.max_extra else ([], [])
+                if not new:
+                    break
+                for trial, k, line in new:
+                    bar.line(line)
+                    runs[trial.run_id] = payload(lab, sid, trial, k)
+                _describe(study, meta, runs)
+                queued += queue.enqueue(study, [runs[t.run_id] for t, _, _ in new], skip_finished=shared)
     except KeyboardInterrupt:  # Ctrl-C, SIGTERM: the runs trained so far used the devices too; their share is kept
         used.trained = time.time()
         if used.runs:

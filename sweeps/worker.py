@@ -28,6 +28,7 @@ from mixdepth.config import ConfigError, TrainConfig
 from mixdepth.launch import check_devices, cluster, resolve_device
 from sweeps import queue
 from sweeps.pool import Inline, Pool, Ranks, follow
+from sweeps.progress import Progress
 
 IDLE_POLL_S = 2.0  # how often an idle worker looks for runs other hosts may hand back
 
@@ -70,12 +71,15 @@ class Drain:
         gpus: CUDA_VISIBLE_DEVICES of each slot ([] for none).
         train: this host's ``train`` keys over the queued ones (hardware, threads, progress, checkpoints).
         ckpt_root: where runs that checkpoint keep ``<run_id>/``; None: nowhere.
+        log_root: where runs with a ``train.logger`` write ``<sweep_id>/<run_id>/``; None: ./lightning_logs.
         retries: attempts after the first for a run whose fit raised or whose process died.
         on_done: called with (study, row, RunResult) once the storage holds a finished run (the local sweep
             stores it in its database); then the run's checkpoints are dropped (or its last one kept).
         inline: train in this process (one slot): exceptions propagate as they would without a queue.
         ranks: (TCP store, number of other ranks) of a launch with several ranks (srun, torchrun) when this is its
             rank 0: each run is trained in this process together with the other ranks (``pool.Ranks``).
+        progress: the bar the lines of runs starting and ending are printed above; its total is set to what is
+            left as runs start and end, so one bar can span several drains (the caller closes it). Default: lines only.
     """
 
     studies: list[optuna.Study]
@@ -83,10 +87,12 @@ class Drain:
     gpus: list[str] = field(default_factory=list)
     train: dict[str, Any] = field(default_factory=dict)
     ckpt_root: Path | None = None
+    log_root: Path | None = None
     retries: int = 1
     on_done: Callable[[optuna.Study, dict, Any], None] | None = None
     inline: bool = False
     ranks: tuple[Any, int] | None = None
+    progress: Progress = field(default_factory=lambda: Progress(shown=False))
 
     def run(self) -> dict[str, str]:
         """Train until no run of the studies is queued or running anywhere; returns the runs given up on here:
@@ -99,6 +105,7 @@ class Drain:
         if beats := [b for s in self.studies if (b := queue.heartbeat(s._storage))]:
             beat = _Heartbeat(min(beats), running)
             beat.start()
+        self.progress.left(*self._left(running))
         try:
             pool = Ranks(*self.ranks) if self.ranks else Inline() if self.inline else Pool(self.slots, self.gpus)
             if isinstance(pool, Pool) and hasattr(signal, "SIGUSR1"):
@@ -116,10 +123,11 @@ class Drain:
                             i = index.setdefault(rid, len(index) + 1)
                             k = self._attempt(study, rid)
                             note = f" (attempt {k} of {self.retries + 1})" if k > 1 else ""
-                            print(f"[{i}/{max(n, i)}] {header(trial.user_attrs['run']['row'])}{note}", flush=True)
-                            run = queue.decode_run(trial.user_attrs["run"], self.train, self.ckpt_root)
+                            self.progress.line(f"[{i}/{max(n, i)}] {header(trial.user_attrs['run']['row'])}{note}")
+                            run = queue.decode_run(trial.user_attrs["run"], self.train, self.ckpt_root, self.log_root)
                             running[rid] = (study, trial, run)
                             pool.submit(rid, run)
+                        self.progress.left(*self._left(running))
                         if not running:
                             if not self._others_running():
                                 return failed
@@ -143,6 +151,12 @@ class Drain:
                 return study, trial
         return None
 
+    def _left(self, running: dict) -> tuple[float, int]:
+        """Training FLOPs and number of the runs left: running here, or queued for any host."""
+        rows = [t.user_attrs["run"]["row"] for s in self.studies for t in queue.trials(s, TrialState.WAITING)]
+        rows += [trial.user_attrs["run"]["row"] for _, trial, _ in running.values()]
+        return sum(r["train_flops"] for r in rows), len(rows)
+
     def _others_running(self) -> bool:
         """Whether another host still trains a run of the studies (it may die, and the run come back)."""
         return any(queue.trials(s, TrialState.RUNNING) for s in self.studies)
@@ -161,9 +175,10 @@ class Drain:
             row = {**trial.user_attrs["run"]["row"]}
             if self.on_done is not None:
                 self.on_done(study, row, res)
+            self.progress.finished(row["train_flops"])
             m = res.metrics
             loss = "diverged (loss not finite)" if m.val_loss is None else f"{m.val_loss:.4f}"
-            print(f"    [{i}/{max(n, i)}] val_loss={loss} ({m.wall_s:.1f}s, {m.tokens_per_s:,.0f} tok/s)", flush=True)
+            self.progress.line(f"    [{i}/{max(n, i)}] val_loss={loss} ({m.wall_s:.1f}s, {m.tokens_per_s:,.0f} tok/s)")
             if run.ckpt_dir is not None:  # stored: its checkpoints are no longer needed (or its last one is kept)
                 from mixdepth.checkpoints import finish_checkpoints
 
@@ -172,10 +187,9 @@ class Drain:
         k = self._attempt(study, rid)
         queue.fail(trial)
         again = k <= self.retries
-        print(
+        self.progress.line(
             f"    [{i}/{max(n, i)}] attempt {k} of {self.retries + 1} failed: {why};"
-            f" {'queued again' if again else 'left out'}",
-            flush=True,
+            f" {'queued again' if again else 'left out'}"
         )
         if again:
             queue.requeue(study, trial)
@@ -204,7 +218,17 @@ def slot_gpus(train: TrainConfig, workers: int, per_gpu: int = 1) -> list[str]:
 
 
 # A worker's own train keys, over a queued run's: where and how it trains, never what.
-HOST_KEYS = ("accelerator", "threads", "progress", "devices", "num_nodes", "strategy", "ckpt_dir", "keep_ckpt")
+HOST_KEYS = (
+    "accelerator",
+    "threads",
+    "progress",
+    "logger",
+    "devices",
+    "num_nodes",
+    "strategy",
+    "ckpt_dir",
+    "keep_ckpt",
+)
 
 
 def serve(where: str, sweep: str | None, workers: int, overrides: list[str]) -> int:
@@ -233,9 +257,9 @@ def serve(where: str, sweep: str | None, workers: int, overrides: list[str]) -> 
             retries=s["retries"],
         )
         studies.append(queue.load(storage, name))
-    first = next(iter(chosen.values()))["config"]
-    train = TrainConfig(**{**first["train"], **host})
-    check_devices(train)
+    for meta in chosen.values():  # this host trains every chosen sweep's runs: their devices, their logger's package
+        check_devices(TrainConfig(**{**meta["config"]["train"], **host}))
+    train = TrainConfig(**{**next(iter(chosen.values()))["config"]["train"], **host})
     if (c := cluster()).external and c.world_size > 1:  # one run over every rank of this launch
         from datetime import timedelta
 
@@ -260,15 +284,20 @@ def serve(where: str, sweep: str | None, workers: int, overrides: list[str]) -> 
     print(f"worker {me}: {len(studies)} sweep(s), {n_queued} runs queued, {workers} at once", flush=True)
     retries = max(m["config"]["sweep"]["retries"] for m in chosen.values())
     start = time.perf_counter()
-    failed = Drain(
-        studies=studies,
-        slots=workers,
-        gpus=gpus,
-        train=host,
-        ckpt_root=Path("checkpoints").absolute(),
-        retries=retries,
-        ranks=ranks,
-    ).run()
+    with Progress() as bar:
+        if bar.shown:  # the worker's bar replaces Lightning's per-run one: both would draw on this terminal
+            host = {"progress": False, **host}
+        failed = Drain(
+            studies=studies,
+            slots=workers,
+            gpus=gpus,
+            train=host,
+            ckpt_root=Path("checkpoints").absolute(),
+            log_root=Path("logs").absolute(),
+            retries=retries,
+            ranks=ranks,
+            progress=bar,
+        ).run()
     print(f"no runs left: done in {time.perf_counter() - start:.0f}s")
     if failed:
         print(f"error: {len(failed)} run(s) failed on this worker: {next(iter(failed.values()))}", file=sys.stderr)

@@ -178,6 +178,7 @@ def test_report_folder_holding_the_store_is_refused(cli, db):
     [
         ("train.precision=bogus", "train.precision"),
         ("train.accelerator=tpu", "train.accelerator"),
+        ("train.logger=neptune", "train.logger"),
         ("train.beta1=1.5", "train.beta1"),
         ("train.beta2=-0.1", "train.beta2"),
         ("train.seed=-1", "train.seed"),
@@ -216,6 +217,64 @@ def test_every_config_value_is_checked_at_load_time(db, override, key, capsys, m
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and key in err[0] and err[0].startswith("error: "), err
     assert [digest(f) if f.exists() else None for f in files] == before
+
+
+@pytest.mark.parametrize("override", ["train.accelerator=tpu", "train.precision=bf17", "train.logger=neptune"])
+def test_print_config_checks_values_as_load_config_does(override, tmp_path, monkeypatch, capsys):
+    """--print-config touches nothing but the config: a bad accelerator, precision or logger is its exit 2 too."""
+    from sweeps.__main__ import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["isoflop", "--print-config", override]) == 2
+    cap = capsys.readouterr()
+    key = override.split("=")[0]
+    assert cap.out == "" and cap.err.startswith(f"error: {key} must be one of ") and cap.err.count("\n") == 1
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_logger_without_its_package_stops_before_anything_is_written(db, monkeypatch, capsys):
+    """train.logger=tensorboard|wandb|mlflow without the package: one line naming the extra that installs it, exit 2,
+    before the store, the journal or a run (the packages are optional; CI installs none of them)."""
+    import importlib.util
+
+    from mixdepth import launch
+    from sweeps.__main__ import main
+
+    absent = [k for k, need in launch.LOGGER_PACKAGES.items() if not any(importlib.util.find_spec(p) for p in need)]
+    if not absent:  # every logger package is installed here: one of them is made to look missing
+        monkeypatch.setitem(launch.LOGGER_PACKAGES, "wandb", ("mixdepth_no_such_package",))
+        absent = ["wandb"]
+    logger = absent[0]
+    need = launch.LOGGER_PACKAGES[logger][0]
+    files = [db, db.parent / "results.db.wal", db.parent / "results.db.optuna.log"]
+    before = [digest(f) if f.exists() else None for f in files]
+    assert main(["isoflop", "--db", str(db), f"train.logger={logger}", *SMALL]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: train.logger={logger} needs the {need} package: pip install 'mixdepth[{logger}]'"]
+    assert [digest(f) if f.exists() else None for f in files] == before
+    assert not (db.parent / "results_logs").exists()
+
+
+def test_a_worker_checks_the_logger_package_before_it_takes_a_run(cli, tmp_path):
+    """The logger a queued sweep asks for, or a worker's own train.logger, must be installed on the worker's host:
+    else one line and exit 2 with every run still queued (the planning host trains nothing, so it checks nothing)."""
+    import importlib.util
+
+    import optuna
+
+    if importlib.util.find_spec("mlflow"):
+        pytest.skip("mlflow is installed here")
+    url = f"sqlite:///{tmp_path / 'queue.db'}"
+    one = ["sweep.archs=[dense]", "sweep.budgets=[1e9]", "sweep.min_steps=4", *SMALL]
+    r = cli("sweeps", "isoflop", "--enqueue-only", f"sweep.storage={url}", "train.logger=mlflow", *one)
+    assert r.returncode == 0, r.stderr
+    (name,) = optuna.get_all_study_names(url)
+    before = [t.state for t in optuna.load_study(study_name=name, storage=url).trials]
+    for extra in ([], ["train.logger=mlflow"]):
+        r = cli("sweeps", "worker", "--storage", url, *extra)
+        assert_clean_failure(r, "train.logger=mlflow needs the mlflow package: pip install 'mixdepth[mlflow]'", 2)
+    after = [t.state for t in optuna.load_study(study_name=name, storage=url).trials]
+    assert after == before and set(before) == {optuna.trial.TrialState.WAITING}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")

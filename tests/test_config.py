@@ -106,3 +106,50 @@ def test_bench_set_options_are_typed_like_overrides():
         step_options("mod", ["mod.capacity=abc"])
     with pytest.raises(ConfigError, match="unknown config key 'model.capacityy'"):
         step_options("mod", ["mod.capacityy=0.5"])
+
+
+def test_print_config_is_the_merged_typed_config_as_a_preset(tmp_path, monkeypatch, capsys):
+    """``--print-config`` prints every section after the overrides, typed, with the storage password hidden, and
+    opens nothing; printed back into a conf folder as a preset it loads to the same config."""
+    import shutil
+
+    from omegaconf import OmegaConf
+
+    from sweeps.__main__ import main
+
+    monkeypatch.chdir(tmp_path)
+    over = ["train.lr=1e-3", "sweep.budgets=[2e11,4e11]", "model.qk_norm=true", "train.logger=csv"]
+    assert main(["isoflop", "--print-config", *over, "sweep.storage=postgresql://me:s3cret@db/x"]) == 0
+    out = capsys.readouterr().out
+    assert "s3cret" not in out and "postgresql://me:***@db/x" in out and not list(tmp_path.iterdir())
+    printed = OmegaConf.to_container(OmegaConf.create(out))
+    assert printed["train"]["lr"] == 1e-3 and printed["sweep"]["budgets"] == [2e11, 4e11]
+    assert printed["train"]["batch_size"] == 16 and printed["model"] == {"qk_norm": True}  # base.yaml, the preset
+
+    assert main(["isoflop", "--print-config", *over]) == 0
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    (conf / "sweep" / "printed.yaml").write_text(capsys.readouterr().out)
+    assert load_config(conf, "printed").sections() == load_config(CONF, "isoflop", over).sections()
+
+
+def test_loggers_are_checked_at_load_time_and_do_not_change_the_sweep():
+    from sweeps.plan import sweep_id
+
+    a = load_config(CONF, "isoflop")
+    assert a.train.logger == "none"  # DuckDB is the record; a logger is the user's choice
+    b = load_config(CONF, "isoflop", ["train.logger=tensorboard"])  # its package is checked where runs train
+    assert sweep_id(a, "isoflop") == sweep_id(b, "isoflop")
+    with pytest.raises(ConfigError, match="train.logger must be one of none, csv, tensorboard, wandb, mlflow"):
+        load_config(CONF, "isoflop", ["train.logger=neptune"])
+
+
+def test_the_installed_presets_are_the_conf_folder():
+    """Without --conf the CLI reads the presets through importlib.resources (sweeps/conf: this checkout's conf/
+    here, copies inside a wheel: tests/test_install.py)."""
+    from sweeps.__main__ import _conf
+
+    with _conf(None) as conf:
+        files = sorted(p.relative_to(conf) for p in conf.rglob("*.yaml"))
+        assert files == sorted(p.relative_to(CONF) for p in CONF.rglob("*.yaml")) and files
+        assert all((conf / f).read_bytes() == (CONF / f).read_bytes() for f in files)

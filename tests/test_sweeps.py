@@ -282,3 +282,114 @@ def test_the_stored_command_line_hides_storage_passwords():
     assert "s3cret" not in line and line == (  # quoted for a shell
         "python -m sweeps isoflop 'sweep.storage=postgresql://me:***@db/x' --storage 'postgresql://me:***@db/x' 'a b'"
     )
+
+
+ONE = [  # one run of a few seconds (a one-budget sweep is fitted without its frontier plot)
+    *(o for o in SMALL if not o.startswith(("sweep.budgets", "sweep.ladder"))),
+    "sweep.budgets=[1e9]",
+    "sweep.ladder=[{d_model: 16, n_layers: 1, n_heads: 2}]",
+]
+
+
+def test_csv_logger_writes_the_curve_and_the_validation_of_each_run(cli, tmp_path):
+    """train.logger=csv: Lightning's CSVLogger of each run under <db>_logs/<sweep_id>/<run_id>/version_0, holding
+    the points of the run's curves rows (train loss and lr at the same steps) and its final val_loss."""
+    import csv
+
+    r = cli("sweeps", "isoflop", "--db", str(tmp_path / "r.db"), *ONE, "train.logger=csv")
+    assert r.returncode == 0, r.stderr[-2000:]
+    con = duckdb.connect(str(tmp_path / "r.db"), read_only=True)
+    ((sid, rid, val, steps),) = con.execute("SELECT sweep_id, run_id, val_loss, steps FROM runs").fetchall()
+    curve = con.execute("SELECT step, train_loss, lr FROM curves WHERE run_id = ? ORDER BY step", [rid]).fetchall()
+    con.close()
+    rows = list(csv.DictReader(open(tmp_path / "r_logs" / sid / rid / "version_0" / "metrics.csv")))
+    logged = [(int(x["step"]), float(x["train_loss"]), float(x["lr"])) for x in rows if x["train_loss"]]
+    assert len(curve) > 2 and logged == [pytest.approx(p) for p in curve]
+    (last,) = [x for x in rows if x["val_loss"]]
+    assert int(last["step"]) == steps and float(last["val_loss"]) == pytest.approx(val)
+
+
+def _on_a_terminal(cmd: list[str], cwd, env, timeout: float = 600) -> str:
+    """What ``cmd`` writes to stdout when that is a terminal (a pseudo-terminal of 120 columns)."""
+    import fcntl
+    import os
+    import pty
+    import select
+    import struct
+    import subprocess
+    import termios
+    import time
+
+    ours, theirs = pty.openpty()
+    fcntl.ioctl(theirs, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    p = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=theirs, stderr=subprocess.PIPE)
+    os.close(theirs)
+    out, deadline = b"", time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if select.select([ours], [], [], 1.0)[0]:
+                try:
+                    chunk = os.read(ours, 65536)
+                except OSError:  # EIO: the process closed the terminal
+                    break
+                if not chunk:
+                    break
+                out += chunk
+    finally:
+        os.close(ours)
+        if p.poll() is None:
+            p.kill()
+        err = p.communicate()[1].decode()
+    assert p.returncode == 0, err[-2000:]
+    return out.decode()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_one_progress_bar_over_the_sweep_on_a_terminal(workers, tmp_path, cli_env):
+    """On a terminal the sweep draws one bar weighted by training FLOPs, with elapsed time and ETA, the runs' lines
+    above it; Lightning's per-run bar (train.progress=true) gives way to it, in this process or the workers'."""
+    import re
+    import sys
+
+    args = [*(o for o in SMALL if o != "train.progress=false"), "sweep.budgets=[1e9]", "train.progress=true"]
+    cmd = [sys.executable, "-m", "sweeps", "isoflop", "--db", str(tmp_path / "r.db"), *args, f"sweep.workers={workers}"]
+    out = _on_a_terminal(cmd, tmp_path, cli_env)
+    con = duckdb.connect(str(tmp_path / "r.db"), read_only=True)
+    total = con.execute("SELECT sum(train_flops) FROM runs").fetchone()[0]
+    con.close()
+    bars = re.findall(r"sweep +(\d+)%\|[^|]*\| ([\d.]+)(\w?)/([\d.]+)(\w?) training FLOPs \[(\d\d:\d\d)<([^,\]]+)", out)
+    assert bars, out[-3000:]
+    scale = {"": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+    assert float(bars[-1][3]) * scale[bars[-1][4]] == pytest.approx(total, rel=0.01)
+    assert bars[-1][0] == "100" and bars[-1][6] == "00:00" and "2 of 2 runs" in out
+    assert {b[0] for b in bars} >= {"0", "100"} and any(re.fullmatch(r"\d\d:\d\d", b[6]) for b in bars)  # an ETA
+    assert all(re.search(rf"\[{i}/2\] val_loss=\d\.\d+ \(\d+\.\ds, ", out) for i in (1, 2))
+    assert "Epoch 0" not in out  # Lightning's bar is off under the sweep's
+
+
+def test_no_progress_bar_when_stdout_is_not_a_terminal(pooled):
+    _, outs = pooled
+    for out, _ in outs.values():
+        assert "training FLOPs" not in out and "\r" not in out and "[4/4] val_loss=" in out
+
+
+def test_the_bar_grows_with_the_runs_added_after_the_plan(capsys):
+    """Each drain sets the total to what this process trained plus what is left: sizes added to bracket an optimum
+    (a second drain) grow it, a queued run another host took shrinks it."""
+    from sweeps.progress import Progress
+
+    def shown() -> str:  # the bar as last drawn
+        return capsys.readouterr().out.split("\r")[-1]
+
+    with Progress(shown=True) as bar:
+        bar.left(3e9, 2)  # the plan: two runs
+        bar.finished(1e9)
+        bar.left(2e9, 1)
+        bar.finished(2e9)
+        bar.left(0, 0)
+        assert "100%|" in (s := shown()) and "3.00G/3.00G training FLOPs" in s and "2 of 2 runs" in s
+        bar.left(4e9, 2)  # two sizes added to bracket an optimum
+        assert " 43%|" in (s := shown()) and "3.00G/7.00G training FLOPs" in s and "2 of 4 runs" in s
+        bar.finished(1e9)
+        bar.left(0, 0)  # the other one was trained by another host
+        assert "100%|" in (s := shown()) and "4.00G/4.00G training FLOPs" in s and "3 of 3 runs" in s

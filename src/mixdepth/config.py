@@ -83,7 +83,8 @@ class TrainConfig:
     peak_flops: float = 0.0  # FLOP/s assumed for MFU; 0: known-device table, else MFU is not reported
     log_every: int = 10  # steps between curve points
     threads: int = 0  # torch.set_num_threads on CPU; 0 leaves PyTorch's default
-    progress: bool = True  # Lightning's progress bar
+    progress: bool = True  # Lightning's progress bar (a sweep on a terminal shows its own bar instead)
+    logger: str = "none"  # none | csv | tensorboard | wandb | mlflow: each run's Lightning logger (DuckDB: the record)
     devices: int = 1  # devices per node one run trains on (DDP/FSDP when devices * num_nodes > 1)
     num_nodes: int = 1  # nodes one run spans (launched by torchrun or srun)
     strategy: str = "auto"  # auto | ddp | fsdp: how a run spreads over devices * num_nodes
@@ -299,6 +300,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "train.devices": _count(1),
     "train.num_nodes": _count(1),
     "train.strategy": _one_of("auto", "ddp", "fsdp"),
+    "train.logger": _one_of("none", "csv", "tensorboard", "wandb", "mlflow"),
     "train.ckpt_every": ((lambda v: v is None or v >= 1), "at least 1 (or null: no checkpoints)"),
 }
 

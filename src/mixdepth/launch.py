@@ -14,6 +14,7 @@ nodes need an external launcher.
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
 import pickle
 import signal
@@ -110,19 +111,28 @@ def cpu_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+# The package each train.logger needs beyond Lightning (tensorboard: either writer Lightning's logger takes); the
+# extra of the same name installs it.
+LOGGER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",), "mlflow": ("mlflow",)}
+
+
 def check_devices(t: TrainConfig) -> None:
     """Check a train config against this host and its launch; call before opening any store.
 
     Devices present: GPUs are ``torch.cuda.device_count()`` (per node); on the CPU each rank needs a core of its
-    own (``cpu_cores()``), else the ranks only slice the same cores finer.
+    own (``cpu_cores()``), else the ranks only slice the same cores finer. The package ``train.logger`` needs must
+    be installed here.
 
     Raises:
         ConfigError: one line naming the key: a RULES violation (e.g. an unknown strategy), a batch that does not
             split over the ranks, more devices than present, FSDP on the CPU, a launcher that started another
-            number of ranks than ``devices * num_nodes``, or ``num_nodes > 1`` with no launcher.
+            number of ranks than ``devices * num_nodes``, ``num_nodes > 1`` with no launcher, or a logger whose
+            package is missing.
     """
     check_rules("train", t)
     micro_batch(t)
+    if (need := LOGGER_PACKAGES.get(t.logger)) and not any(importlib.util.find_spec(p) for p in need):
+        raise ConfigError(f"train.logger={t.logger} needs the {need[0]} package: pip install 'mixdepth[{t.logger}]'")
     if t.accelerator == "gpu" and not torch.cuda.is_available():
         raise ConfigError("train.accelerator=gpu, but no GPU is visible; use auto or cpu")
     accelerator, _ = resolve_device(t)

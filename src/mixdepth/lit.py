@@ -62,16 +62,18 @@ class LitLM(L.LightningModule):
             # the global batch's mean loss: ranks hold equal token counts, so the mean of their means
             value = self.trainer.strategy.reduce(loss.detach().float(), reduce_op="mean").item()
             world = self.trainer.world_size
+            lr = self.lr_schedulers().get_last_lr()[0]
             self.curve.append(
                 {
                     "step": step,
                     "tokens": step * x.numel() * world,
                     "flops": step * self.flops_per_batch * world,
                     "train_loss": value,
-                    "lr": self.lr_schedulers().get_last_lr()[0],
+                    "lr": lr,
                 }
             )
             self.log("loss", value, prog_bar=True, on_step=True, logger=False)
+            self._to_loggers({"train_loss": value, "lr": lr}, step)
         return loss
 
     def _begin_graph_step(self) -> bool:
@@ -96,8 +98,16 @@ class LitLM(L.LightningModule):
         sums = {name: float(v) for name, v in self.val_sums.compute().items()}
         self.val_metrics = self.model.eval_summary(sums)
         loss = self.val_metrics["val_loss"]
-        self.log_dict({"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}, prog_bar=True, logger=False)
+        ppl = math.exp(min(loss, 50.0))
+        self.log_dict({"val_loss": loss, "val_ppl": ppl}, prog_bar=True, logger=False)
+        self._to_loggers({**self.val_metrics, "val_ppl": ppl}, self.global_step)
         self.val_sums.reset()
+
+    def _to_loggers(self, metrics: dict[str, float], step: int) -> None:
+        """``train.logger``'s points: the curve's (every ``log_every`` steps, the first and the last) and the final
+        validation's, at the steps the store has them (``self.log`` would keep only Lightning's every n-th step)."""
+        for logger in self.loggers:  # none without train.logger; Lightning's loggers write on global rank 0 only
+            logger.log_metrics(metrics, step)
 
     def wall_s(self) -> float:
         """Seconds this run has trained, over every process it ran in."""

@@ -13,13 +13,14 @@ import signal
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, ThroughputMonitor
+from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
 
 from mixdepth.checkpoints import FINAL, checkpoint_callback, drop_hpc_checkpoints, resume_path
 from mixdepth.config import DataConfig, TrainConfig, micro_batch
@@ -40,6 +41,7 @@ class RunConfig:
     train: TrainConfig
     steps: int
     ckpt_dir: str | None = None  # this run's checkpoint folder (keyed by its run_id); None: no checkpoints
+    log_dir: str | None = None  # train.logger's folder of this run (<logs>/<sweep_id>/<run_id>); None: lightning_logs
 
 
 @dataclass(frozen=True)
@@ -116,12 +118,41 @@ def _quiet() -> None:
     warnings.filterwarnings("ignore", message=".*dataloader is not resumable.*")
 
 
+def run_logger(t: TrainConfig, log_dir: str | None) -> Logger | bool:
+    """Lightning's logger of ``t.logger`` for the run whose folder is ``log_dir`` (``<logs>/<sweep_id>/<run_id>``,
+    the parent and folder names naming the sweep and the run; None: ./lightning_logs), or False (``none``).
+
+    csv and tensorboard write ``version_<k>/`` in the folder, one for each attempt of the run; wandb runs offline
+    (``wandb sync`` uploads later) in project ``<sweep_id>``; mlflow keeps the sweep's runs in the store
+    ``file:<logs>/<sweep_id>/mlruns``, experiment ``<sweep_id>``. Nothing needs a network.
+    """
+    if t.logger == "none":
+        return False
+    folder = Path(log_dir or "lightning_logs").absolute()
+    folder.mkdir(parents=True, exist_ok=True)
+    sweep, run = folder.parent.name, folder.name
+    if t.logger == "csv":
+        return CSVLogger(folder, name="")
+    if t.logger == "tensorboard":
+        return TensorBoardLogger(folder, name="")
+    if t.logger == "wandb":
+        return WandbLogger(name=run, save_dir=folder, project=sweep, offline=True)
+    return MLFlowLogger(experiment_name=sweep, run_name=run, tracking_uri=f"file:{folder.parent / 'mlruns'}")
+
+
 def make_trainer(
-    t: TrainConfig, steps: int, accelerator: str, precision: str, callbacks: list, root_dir: str | None = None
+    t: TrainConfig,
+    steps: int,
+    accelerator: str,
+    precision: str,
+    callbacks: list,
+    root_dir: str | None = None,
+    logger: Logger | bool = False,
 ) -> L.Trainer:
     """The Trainer every run uses (benchmarks time this same object): ``t.devices`` per node on ``t.num_nodes``.
     ``root_dir``: the run's checkpoint folder, where Lightning's SLURM auto-requeue (SIGUSR1) saves
-    ``hpc_ckpt_K.ckpt`` and looks for one to resume from."""
+    ``hpc_ckpt_K.ckpt`` and looks for one to resume from. ``logger``: ``run_logger``'s (the curve points and the
+    validation metrics reach it through ``LitLM``, the throughput through Lightning's monitor)."""
     return L.Trainer(
         accelerator=accelerator,
         devices=t.devices,
@@ -129,7 +160,7 @@ def make_trainer(
         strategy=t.strategy,  # auto: one device alone, DDP (gloo on CPU, nccl on GPU) for more; ddp; fsdp
         precision=precision,
         max_steps=steps,
-        logger=False,
+        logger=logger,
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),  # else Lightning adds its own
         enable_model_summary=False,
         enable_progress_bar=t.progress,
@@ -193,7 +224,10 @@ def _fit(run: RunConfig, cache_dir: Path | None) -> RunResult:
     monitor = PeakThroughputMonitor(peak, window_size=max(2, min(100, run.steps // 2)))
     ckpt_dir = Path(run.ckpt_dir) if run.ckpt_dir else None
     saver = [checkpoint_callback(ckpt_dir, t.ckpt_every)] if ckpt_dir and t.ckpt_every else []
-    trainer = make_trainer(t, run.steps, accelerator, precision, [monitor, *saver], run.ckpt_dir)
+    logger = run_logger(t, run.log_dir)
+    if logger:
+        logger.log_hyperparams({"model": asdict(run.model), "data": asdict(run.data), "train": asdict(t)})
+    trainer = make_trainer(t, run.steps, accelerator, precision, [monitor, *saver], run.ckpt_dir, logger)
     resume = resume_path(ckpt_dir) if ckpt_dir else None
     lit.started = time.perf_counter()
     setup = lit.started - entered  # corpus, model, compile wrapper, trainer (not the compilation: the first steps)

@@ -19,7 +19,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint, ThroughputMonitor
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
 
 from mixdepth.checkpoints import FINAL, checkpoint_callback, drop_hpc_checkpoints, resume_path
@@ -29,6 +29,7 @@ from mixdepth.launch import check_devices, launch, resolve_device
 from mixdepth.lit import LitLM, LMDataModule
 from mixdepth.models import MODELS
 from mixdepth.results import RunMetrics
+from mixdepth.throughput import PeakThroughputMonitor, cadence
 
 # Dense bf16 peak FLOP/s of chips Lightning does not name correctly ("NVIDIA H200" is not in its table).
 PEAK_FLOPS = {"H200": 989.5e12, "H100": 989.5e12}
@@ -49,27 +50,6 @@ class RunResult:
     metrics: RunMetrics  # what the store keeps of the run (one row of ``runs`` with the plan)
     curve: list[dict] = field(default_factory=list)  # step, tokens, flops, train_loss, lr every log_every steps
     resumed_step: int = 0  # the step the run resumed at from its checkpoint (0: trained from the start)
-
-
-class PeakThroughputMonitor(ThroughputMonitor):
-    """Lightning's ThroughputMonitor with a supplied peak; keeps the training Throughput for the summary."""
-
-    def __init__(self, peak_flops: float | None, **kwargs):
-        super().__init__(batch_size_fn=lambda b: b[0].shape[0], length_fn=lambda b: b[0].numel(), **kwargs)
-        self.peak = peak_flops
-
-    def setup(self, trainer, pl_module, stage):
-        super().setup(trainer, pl_module, stage)
-        if self.peak:
-            for tp in self._throughputs.values():
-                tp.available_flops = self.peak
-
-    def summary(self) -> dict[str, float]:
-        from lightning.pytorch.trainer.states import RunningStage
-
-        if not self._batches.get(RunningStage.TRAINING):  # resumed from its final checkpoint: nothing trained here
-            return {}
-        return self._throughputs[RunningStage.TRAINING].compute()
 
 
 def device_name(accelerator: str, world: int = 1) -> str:
@@ -221,7 +201,8 @@ def _fit(run: RunConfig, cache_dir: Path | None) -> RunResult:
     fpt = run.model.flops_per_token()
     lit = LitLM(model, t, run.steps, flops_per_batch=train_flops(fpt, tokens_per_batch) / world)
     peak = peak_flops(t, accelerator, precision)
-    monitor = PeakThroughputMonitor(peak, window_size=max(2, min(100, run.steps // 2)))
+    every, window = cadence(run.steps, t.log_every)
+    monitor = PeakThroughputMonitor(peak, every=every, window_size=window)
     ckpt_dir = Path(run.ckpt_dir) if run.ckpt_dir else None
     saver = [checkpoint_callback(ckpt_dir, t.ckpt_every)] if ckpt_dir and t.ckpt_every else []
     logger = run_logger(t, run.log_dir)

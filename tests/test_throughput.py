@@ -1,0 +1,38 @@
+"""A run's tokens/s and MFU (mixdepth.throughput): measured every few steps, not with a device sync at each one."""
+
+from __future__ import annotations
+
+import pytest
+from lightning.fabric.utilities.throughput import Throughput
+
+from mixdepth.config import DataConfig, TrainConfig
+from mixdepth.flops import train_flops
+from mixdepth.models.dense import DenseConfig
+from mixdepth.throughput import cadence
+from mixdepth.train import RunConfig, fit
+
+
+@pytest.mark.parametrize(("steps", "log_every"), [(2, 10), (3, 10), (20, 10), (24, 5), (343, 25), (5172, 25)])
+def test_cadence_fills_its_window_from_the_last_half_of_the_run(steps, log_every):
+    every, window = cadence(steps, log_every)
+    assert 1 <= every <= log_every and window >= 2
+    assert steps // every >= window  # enough measurements to fill the window (else no rate at all)
+    assert window * every <= max(2 * every, min(100, steps // 2))  # the last half of the run, or two measurements
+    if steps >= 4 * log_every:
+        assert every == log_every
+
+
+def test_mfu_is_the_measured_rate_over_the_peak(monkeypatch):
+    """Measurements every 5 steps of 24 (4 of them): MFU is tokens/s x training FLOPs per token / peak, so the FLOPs
+    handed to each measurement are those of the batches since the last one."""
+    calls = []
+    update = Throughput.update
+    monkeypatch.setattr(Throughput, "update", lambda self, **kw: calls.append((self, kw)) or update(self, **kw))
+    model = DenseConfig(d_model=32, n_layers=1, n_heads=2, n_kv_heads=2, seq_len=32, vocab_size=256)
+    data = DataConfig(max_bytes=200_000, val_tokens=2048, seq_len=32)
+    train = TrainConfig(batch_size=4, accelerator="cpu", log_every=5, progress=False, peak_flops=1e9)
+    m = fit(RunConfig(model, data, train, 24)).metrics
+    training = [kw for tp, kw in calls if tp is calls[0][0]]  # the training stage's (validation has its own)
+    assert [c["batches"] for c in training] == [5, 10, 15, 20]
+    assert all(c["flops"] == 5 * train_flops(model.flops_per_token(), 4 * 32) for c in training)
+    assert m.mfu == pytest.approx(m.tokens_per_s * train_flops(model.flops_per_token(), 1) / 1e9, rel=1e-9)

@@ -23,6 +23,7 @@ import seaborn as sns
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
+from matplotlib.ticker import NullFormatter
 
 from analysis.errors import AnalysisError
 from analysis.records import Forecast, IsoflopFit, ParametricFit, ParametricFrontier, PowerLaw
@@ -38,6 +39,13 @@ ARCH_COLORS: dict[str, Color] = {
 _OTHER_COLORS: tuple[Color, ...] = tuple(sns.color_palette("husl", 12))  # any other arch: by a hash of its name
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "h")
 CAUSAL_TINT = 0.45  # an ``<arch>:causal`` series: its arch's colour this far toward white
+
+
+def _log_x(ax) -> None:
+    """A log x axis labelled at its decades only (matplotlib labels minor ticks on spans under a decade, and they
+    overlap)."""
+    ax.set_xscale("log")
+    ax.xaxis.set_minor_formatter(NullFormatter())
 
 
 def _toward_white(color: Color, amount: float) -> Color:
@@ -158,7 +166,7 @@ def plot_isoflop(
             if np.isfinite(p.n_opt) and np.isfinite(p.loss_opt) and p.curvature > 0:
                 face = color if p.vertex_inside else "none"
                 ax.scatter([p.n_opt], [p.loss_opt], marker="*", s=160, facecolor=face, edgecolor=color, zorder=4)
-        ax.set_xscale("log")
+        _log_x(ax)
         ax.set_title(f"{arch}: isoFLOP curves", color=series_color(arch))
         ax.set_xlabel("parameters N (non-embedding)")
         ax.set_ylabel("validation loss (nats)")
@@ -224,7 +232,7 @@ def plot_frontier(
             ax.plot(grid, y, color=series_color(arch), lw=1.5, ls="--", label=label)
             drawn = True
         if drawn:
-            ax.set_xscale("log")
+            _log_x(ax)
             ax.set_yscale("log")
         ax.set_xlabel("training compute C (FLOPs)")
         ax.set_ylabel(ylabel)
@@ -262,7 +270,7 @@ def plot_forecast(
             yerr = None if f.loss_lo is None else [[f.loss_pred - f.loss_lo], [f.loss_hi - f.loss_pred]]
             marker = "s" if f.method == "isoflop" else "D"
             ax.errorbar([x], [f.loss_pred], yerr=yerr, fmt=marker, color=color, mfc="none", capsize=3)
-    ax.set_xscale("log")
+    _log_x(ax)
     ax.set_xlabel("training compute C (FLOPs)")
     ax.set_ylabel("loss at the optimum L* (nats)")
     ax.set_title("forecast of held-out budgets (□ Approach 2, ◇ Approach 3, 90%)")
@@ -348,7 +356,7 @@ def plot_mod_normalized(
     )  # fmt: skip
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.axvline(1.0, color="grey", lw=0.8, ls="--")
-    ax.set_xscale("log")
+    _log_x(ax)
     ax.set_xlabel(f"FLOPs per forward pass / best {dense_arch} of the budget")
     ax.set_ylabel(f"validation loss / best {dense_arch} of the budget")
     ax.set_title(f"Normalised to the isoFLOP-optimal {dense_arch} run (bubble = parameters)")
@@ -388,7 +396,7 @@ def plot_curves(
                 ax.plot(
                     r[x_col], r[loss_col], color=shades[float(n)], lw=1.2, ls=ls, marker="." if len(r) == 1 else None
                 )
-        ax.set_xscale("log")
+        _log_x(ax)
         ax.set_title(_budget_label(b))
         ax.set_xlabel("tokens seen" if x_col == "tokens" else "training FLOPs")
         ax.set_ylabel("training loss (nats)")
@@ -457,7 +465,7 @@ def plot_residuals(
                 ax.set_yticks([])
                 continue
             ax.axhline(0.0, color="0.5", lw=0.8)
-            ax.set_xscale("log")
+            _log_x(ax)
             ax.set_xlabel("parameters N (non-embedding)")
             ax.set_ylabel("residual (nats)")
     _budget_legend(fig, markers, "budget")

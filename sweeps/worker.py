@@ -223,6 +223,7 @@ HOST_KEYS = (
     "threads",
     "progress",
     "logger",
+    "compile_mode",
     "devices",
     "num_nodes",
     "strategy",

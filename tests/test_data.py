@@ -268,3 +268,19 @@ def test_only_regular_files_are_read(folder: Path, tmp_path: Path) -> None:
     glob_files = next(ln for ln in out if ln.startswith("glob"))
     assert "pipe.txt" not in glob_files and "dangling.txt" not in glob_files and "a.txt" in glob_files
     assert any(ln.startswith("error") and "not a regular file" in ln for ln in out)
+
+
+def test_training_batches_are_pinned_for_a_gpu_trainer() -> None:
+    """Lightning copies batches to a GPU with non_blocking=True: from pinned memory that copy does not wait for the
+    stream, so the host queues the next step while the GPU runs this one. On a CPU nothing is pinned."""
+    from types import SimpleNamespace
+
+    from mixdepth.lit import LMDataModule
+
+    dm = LMDataModule(SMALL, batch_size=4, seed=0)
+    dm.setup("fit")
+    assert dm.train_dataloader().pin_memory is False  # no trainer: the CPU
+    for device, pinned in (("cuda", True), ("cpu", False)):
+        strategy = SimpleNamespace(root_device=torch.device(device))
+        dm.trainer = SimpleNamespace(global_step=0, global_rank=0, world_size=1, strategy=strategy)
+        assert dm.train_dataloader().pin_memory is pinned

@@ -186,7 +186,8 @@ class LMDataModule(L.LightningDataModule):
 
     Training draws random windows (see ``TokenWindows``), as many as the trainer's ``max_steps`` asks for;
     set ``val_check_interval`` in steps, since an epoch is ~2**31 samples. Validation walks the fixed val
-    windows in order. Loading runs in the main process (``num_workers=0``): a batch is one numpy gather.
+    windows in order. Loading runs in the main process (``num_workers=0``): a batch is one numpy gather, in pinned
+    memory on a GPU.
     """
 
     def __init__(
@@ -223,7 +224,10 @@ class LMDataModule(L.LightningDataModule):
         trainer = getattr(self, "trainer", None)
         start = trainer.global_step if trainer is not None else 0  # a resumed run goes on where it stopped
         sampler = ShardedBatchSampler(len(ds), self.batch_size, rank, world, start)
-        return DataLoader(ds, batch_sampler=sampler, collate_fn=as_batch, num_workers=0)
+        # pinned on a GPU: Lightning copies batches with non_blocking=True, which from pageable memory waits for the
+        # stream (the host could not queue the next step while the GPU runs this one)
+        pin = trainer is not None and trainer.strategy.root_device.type == "cuda"
+        return DataLoader(ds, batch_sampler=sampler, collate_fn=as_batch, num_workers=0, pin_memory=pin)
 
     def val_dataloader(self) -> DataLoader:
         """The fixed validation windows in order, rank r of W taking the r-th of W contiguous shares (the last batch

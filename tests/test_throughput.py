@@ -36,3 +36,24 @@ def test_mfu_is_the_measured_rate_over_the_peak(monkeypatch):
     assert [c["batches"] for c in training] == [5, 10, 15, 20]
     assert all(c["flops"] == 5 * train_flops(model.flops_per_token(), 4 * 32) for c in training)
     assert m.mfu == pytest.approx(m.tokens_per_s * train_flops(model.flops_per_token(), 1) / 1e9, rel=1e-9)
+
+
+def test_a_log_step_before_the_first_measurement_logs_nothing():
+    """Lightning asks for the rates at its log steps; a run resumed mid-way counts its batches from the resume, so a
+    log step can come before this process's first measurement: nothing to log yet, and no error."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.trainer.states import RunningStage
+
+    from mixdepth.throughput import PeakThroughputMonitor
+
+    logged = []
+    monitor = PeakThroughputMonitor(None, every=5)
+    monitor._throughputs[RunningStage.TRAINING] = Throughput(window_size=2)
+    connector = SimpleNamespace(should_update_logs=True, log_metrics=lambda m, step: logged.append(m))
+    trainer = SimpleNamespace(state=SimpleNamespace(stage=RunningStage.TRAINING), _logger_connector=connector)
+    monitor._compute(trainer, 3)
+    assert logged == []
+    monitor._throughputs[RunningStage.TRAINING].update(time=1.0, batches=5, samples=20, lengths=640)
+    monitor._compute(trainer, 5)
+    assert len(logged) == 1 and logged[0]["train/batches"] == 5

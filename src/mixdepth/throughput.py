@@ -62,6 +62,12 @@ class PeakThroughputMonitor(ThroughputMonitor):
         )
         self._pending[stage] = 0
 
+    def _compute(self, trainer, iter_num: int | None = None) -> None:
+        # Lightning logs the rates at its own log steps: one may come before this process's first measurement (a
+        # run resumed mid-way counts its batches from the resume)
+        if self._throughputs[trainer.state.stage]._time:
+            super()._compute(trainer, iter_num)
+
     def summary(self) -> dict[str, float]:
         if not self._batches.get(RunningStage.TRAINING):  # resumed from its final checkpoint: nothing trained here
             return {}

@@ -250,6 +250,13 @@ def _run(
     queue.enqueue(study, todo, skip_finished=shared)  # with the journal the database is the record: what it lacks runs
 
     used = usage.Usage(sid, lab.sweep.workers, n_gpus(lab.train, gpus))
+    measured: list[dict] = []
+
+    def record_usage(interrupted: bool = False) -> None:  # at the report (which then states it), or at a stop
+        if used.runs:
+            measured.append(used.row(interrupted=interrupted))
+            with store.session() as con:
+                results.add_usage(con, measured[-1])
 
     def add(_study, row: dict, res) -> None:
         with store.session() as con:
@@ -295,9 +302,7 @@ def _run(
                 queued += queue.enqueue(study, [runs[t.run_id] for t, _, _ in new], skip_finished=shared)
     except KeyboardInterrupt:  # Ctrl-C, SIGTERM: the runs trained so far used the devices too; their share is kept
         used.trained = time.time()
-        if used.runs:
-            with store.session() as con:
-                results.add_usage(con, used.row(interrupted=True))
+        record_usage(interrupted=True)
         raise
     used.trained = time.time()
     print(f"trained {queued - len(failed)} runs in {time.perf_counter() - start:.0f}s")
@@ -325,14 +330,6 @@ def _run(
         return 1
 
     from analysis.pipeline import run_all
-
-    measured: list[dict] = []
-
-    def record_usage() -> None:  # up to the report, which then states it
-        if used.runs:
-            measured.append(used.row())
-            with store.session() as con:
-                results.add_usage(con, measured[0])
 
     written = run_all(store, sid, paths.reports / sid, before_report=record_usage)
     for row in measured:

@@ -70,9 +70,11 @@ def test_signal_in_training_exits_130_and_resumes(tmp_path, cli, cli_env, uninte
     try:
         rows = con.execute("SELECT run_id, d_model FROM runs").fetchall()
         curves = {r[0] for r in con.execute("SELECT DISTINCT run_id FROM curves").fetchall()}
+        used = con.execute("SELECT runs, parts->>'interrupted' FROM sweep_usage").fetchall()
     finally:
         con.close()
     assert [d for _, d in rows] == [48] and curves == {rows[0][0]}  # the first run whole, nothing of the second
+    assert used == [(1, "true")]  # the stopped command's device time is kept, marked
 
     r = cli("sweeps", "isoflop", "--db", str(db), *GRID)
     assert r.returncode == 0, r.stderr

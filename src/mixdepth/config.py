@@ -259,8 +259,9 @@ def _one_of(*choices: str) -> tuple[Callable[[Any], bool], str]:
 # Lightning's precision settings that train here (auto: 32-true on CPU, bf16-mixed on GPU).
 PRECISIONS = ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true")
 
-# torch.compile's modes (reduce-overhead and max-autotune capture CUDA graphs).
+# torch.compile's modes, and those that capture CUDA graphs (their outputs live in buffers the next replay overwrites).
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 # Every scalar field's range or choice, checked by load_config before any file is opened, and by load_corpus for
 # data configs built in code: key -> (check, what the value must be).

@@ -19,11 +19,8 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.utils.data import BatchSampler, DataLoader
 
 from mixdepth.checkpoints import STATE, model_spec, rng_state, set_rng_state
-from mixdepth.config import DataConfig, DataError, TrainConfig
+from mixdepth.config import CUDA_GRAPH_MODES, DataConfig, DataError, TrainConfig
 from mixdepth.data import Corpus, ShardedBatchSampler, TokenWindows, as_batch, load_corpus
-
-# torch.compile modes that capture CUDA graphs (their outputs live in buffers the next replay overwrites).
-CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 def lr_lambda(step: int, total: int, warmup: int, min_ratio: float) -> float:

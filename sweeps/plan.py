@@ -54,6 +54,7 @@ NOT_IDENTITY = {
         "name",
         "workers",
         "workers_per_gpu",
+        "mps",
         "retries",
         "storage",
         "heartbeat_interval",

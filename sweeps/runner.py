@@ -16,7 +16,7 @@ from mixdepth.config import ConfigError, LabConfig, TrainConfig
 from mixdepth.data import load_corpus
 from mixdepth.launch import check_devices, resolve_device
 from mixdepth.train import RunConfig
-from sweeps import bracket, provenance, queue
+from sweeps import bracket, mps, provenance, queue
 from sweeps.collect import collect_study
 from sweeps.journal import repair
 from sweeps.paths import SweepPaths
@@ -201,9 +201,14 @@ def run_isoflop(
     gpus = slot_gpus(lab.train, lab.sweep.workers, lab.sweep.workers_per_gpu)
     load_corpus(lab.data)  # fail on a bad corpus before the database is touched; fills the cache workers read
     storage = _storage(lab, paths) if lab.sweep.storage else None  # a bad URL fails before the database is made
-    with results.writer(paths.db) as store:  # held for the whole sweep: the one writer of this database
+    with mps.serve(lab.sweep.mps, gpus) as how, results.writer(paths.db) as store:  # the one writer of this db
+        if how == "started":
+            print(
+                f"NVIDIA MPS started for the {len(gpus)} workers: runs that share a GPU run at once"
+                " (sweep.mps=never: time-sliced)"
+            )
         study = _study(lab, storage or _storage(lab, paths), meta)
-        return _run(lab, paths, store, study, meta, runs, gpus)
+        return _run(lab, paths, store, study, meta, runs, gpus, "mps" if how in ("started", "running") else how)
 
 
 def n_gpus(train: TrainConfig, slots: list[str]) -> int:
@@ -230,6 +235,7 @@ def _run(
     meta: dict,
     runs: dict[str, dict],
     gpus,
+    sharing: str,
 ) -> int:
     sid = meta["sweep_id"]
     shared = bool(lab.sweep.storage)  # an RDB other hosts train from; the journal is this database's alone
@@ -249,7 +255,7 @@ def _run(
     )
     queue.enqueue(study, todo, skip_finished=shared)  # with the journal the database is the record: what it lacks runs
 
-    used = usage.Usage(sid, lab.sweep.workers, n_gpus(lab.train, gpus))
+    used = usage.Usage(sid, lab.sweep.workers, n_gpus(lab.train, gpus), sharing=sharing)
     measured: list[dict] = []
 
     def record_usage(interrupted: bool = False) -> None:  # at the report (which then states it), or at a stop

@@ -191,6 +191,7 @@ def test_report_folder_holding_the_store_is_refused(cli, db):
         ("train.lr=inf", "train.lr"),
         ("sweep.min_steps=0", "sweep.min_steps"),
         ("sweep.retries=-1", "sweep.retries"),
+        ("sweep.mps=off", "sweep.mps"),  # YAML reads off as false: the choices are auto, always, never
         ("sweep.archs=[]", "sweep.archs"),
         ("sweep.budgets=[inf]", "sweep.budgets"),
         ("sweep.budgets=[1e11,1e11]", "sweep.budgets"),

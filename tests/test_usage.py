@@ -21,7 +21,7 @@ def _metrics(wall, tokens_per_s, setup=1.0, evaluation=2.0, mfu=0.4, peak=1e15):
 
 
 def test_parts_sum_to_the_device_time_and_utilisation_is_flops_over_it():
-    u = usage.Usage("s", slots=2, gpus=1, started=100.0)
+    u = usage.Usage("s", slots=2, gpus=1, sharing="mps", started=100.0)
     u.training, u.trained = 110.0, 150.0  # 10 s start-up, 40 s of training on two slots sharing one GPU
     u.add(_metrics(wall=30.0, tokens_per_s=1e4), tokens=200_000, train_flops=6e15)  # 20 s steady, 10 s warm-up
     u.add(_metrics(wall=20.0, tokens_per_s=1e4, mfu=0.2), tokens=100_000, train_flops=2e15)
@@ -38,7 +38,12 @@ def test_parts_sum_to_the_device_time_and_utilisation_is_flops_over_it():
     assert sum(p[k] for k in usage.PARTS) == pytest.approx(60.0)
     assert p["runs_mfu"] == pytest.approx((0.4 * 6 + 0.2 * 2) / 8)
     head, parts = usage.lines(row)
-    assert head.startswith("sweep utilisation 13.3%: 8e+15 training FLOPs over 60 s x 1 GPU x 1e+15 FLOP/s peak")
+    assert head == (
+        "sweep utilisation 13.3%: 8e+15 training FLOPs over 60 s x 1 GPU x 1e+15 FLOP/s peak"
+        " (runs sharing a GPU under MPS)"
+    )
+    assert p["sharing"] == "mps"
+    assert usage.lines({**row, "parts": {**p, "sharing": "unshared"}})[0].endswith("FLOP/s peak")
     assert "start-up 16.7%" in parts and "training steps 25.0% (the runs' MFU 35.0%, FLOP-weighted)" in parts
 
 

@@ -1,8 +1,10 @@
-"""Training-loop benchmarks (scripts, not tests): ``python -m mixdepth.bench loop|mfu|step|ddp``.
+"""Training-loop benchmarks (scripts, not tests): ``python -m mixdepth.bench loop|mfu|compile|step|ddp``.
 
 loop: the Lightning path every run takes (train.make_trainer + LitLM) against a plain PyTorch loop with the
       same model, data, optimizer, schedule and clipping, alternated in one process; prints the ratio.
 mfu:  tokens/s and MFU through train.fit (bf16, torch.compile) of archs at one shape (GPT-2 small by default).
+compile: where one small sweep run's time goes (GPU): train.fit of archs at a shape with empty compile caches, with
+      the on-disk caches warm, and compiled in-process already; fit wall, steady steps, compile time, MFU.
 step: training-step time and peak memory of several archs at one shape (e.g. MoD vs dense), GPU.
 ddp:  the same run through train.fit on 1 and on N CPU processes (DDP over gloo), alternated; tokens/s and ratio.
 """
@@ -187,6 +189,48 @@ def _gpu_busy_ms(step, n: int = 3) -> float:
     return busy / n / 1e3
 
 
+def bench_compile(args) -> None:
+    """One run's fit at a shape three times per arch: with empty Inductor/Triton caches (a folder of its own), with
+    those on-disk caches warm (``torch._dynamo.reset()``: what a new process finds), and in-process (no reset)."""
+    import os
+
+    from torch._dynamo.utils import compilation_time_metrics, compile_times
+
+    T, d, L = args.seq_len, args.d_model, args.n_layers
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "tokens.bin"
+        np.random.default_rng(0).integers(0, 256, size=args.tokens, dtype=np.uint16).tofile(path)
+        data = DataConfig(corpus=str(path), bin_vocab_size=256, seq_len=T, val_tokens=T * 256)
+        train = TrainConfig(
+            batch_size=args.batch_size, lr=1.5e-3, accelerator=args.accelerator, compile=True,
+            compile_mode=args.compile_mode, log_every=25, progress=False,
+        )  # fmt: skip
+        print(
+            f"d{d} L{L} T{T} byte vocabulary, batch {args.batch_size}x{T}, {args.steps} steps, compile mode"
+            f" {args.compile_mode}; compile = dynamo's _compile.compile_inner (the forward frame; the backward"
+            " compiles at the first backward, inside the fit wall-clock)"
+        )
+        print("| arch | caches | fit wall s | steady s | compile s | MFU |")
+        print("|---|---|---|---|---|---|")
+        for arch in args.archs.split(","):
+            for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+                os.environ[var] = str(Path(tmp) / arch / var)
+            for caches, reset in (("empty", True), ("on disk", True), ("in-process", False)):
+                if reset:
+                    torch._dynamo.reset()
+                compilation_time_metrics.clear()
+                model = MODELS[arch][0](
+                    arch=arch, d_model=d, n_layers=L, n_heads=d // 64, n_kv_heads=d // 64, seq_len=T, vocab_size=256,
+                    **step_options(arch, args.set),
+                )  # fmt: skip
+                res = fit(RunConfig(model, data, train, args.steps)).metrics
+                names, values = compile_times(repr="csv", aggregate=True) or ([], [])
+                took = float(dict(zip(names, values, strict=True)).get("_compile.compile_inner", 0.0))
+                steady = args.steps * args.batch_size * T / res.tokens_per_s
+                mfu = f"{res.mfu:.1%}" if res.mfu else "n/a"
+                print(f"| {arch} | {caches} | {res.wall_s:.1f} | {steady:.1f} | {took:.1f} | {mfu} |")
+
+
 def step_options(arch: str, sets: list[str]) -> dict[str, Any]:
     """The ``--set arch.key=value`` options of ``arch``, typed as config overrides are (``false`` is False)."""
     return model_options(arch, [kv.split(".", 1)[1] for kv in sets if kv.startswith(f"{arch}.")])
@@ -308,6 +352,17 @@ def main() -> None:
     mp.add_argument("--vocab", type=int, default=50304, help="vocabulary (tied embeddings); 256 = byte-level")
     mp.add_argument("--tokens", type=int, default=64_000_000, help="synthetic .bin corpus size")
     mp.add_argument("--set", nargs="*", default=[], help="arch.key=value model options, e.g. mod.capacity=0.125")
+    cp = sub.add_parser("compile", help="one run's fit with empty, on-disk and in-process compile caches (GPU)")
+    cp.add_argument("--archs", default="dense,mod,mode")
+    cp.add_argument("--d-model", type=int, default=384)
+    cp.add_argument("--n-layers", type=int, default=6)
+    cp.add_argument("--seq-len", type=int, default=1024)
+    cp.add_argument("--batch-size", type=int, default=32)
+    cp.add_argument("--steps", type=int, default=300)
+    cp.add_argument("--compile-mode", default="reduce-overhead", choices=COMPILE_MODES)
+    cp.add_argument("--tokens", type=int, default=40_000_000, help="synthetic .bin corpus size")
+    cp.add_argument("--accelerator", default="gpu", choices=("gpu", "cpu"), help="cpu: a smoke run of the command")
+    cp.add_argument("--set", nargs="*", default=[], help="arch.key=value model options, e.g. mod.capacity=0.125")
     sp = sub.add_parser("step", help="training-step time and peak memory of archs at one shape (GPU)")
     sp.add_argument("--archs", default="dense,mod")
     sp.add_argument("--d-model", type=int, default=1024)
@@ -333,7 +388,9 @@ def main() -> None:
     dp.add_argument("--threads", type=int, default=0, help="torch threads per process; 0: cores shared out")
     args = p.parse_args()
     try:
-        {"loop": bench_loop, "mfu": bench_mfu, "step": bench_step, "ddp": bench_ddp}[args.cmd](args)
+        {"loop": bench_loop, "mfu": bench_mfu, "compile": bench_compile, "step": bench_step, "ddp": bench_ddp}[
+            args.cmd
+        ](args)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

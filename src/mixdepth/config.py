@@ -113,6 +113,7 @@ class SweepConfig:
     seed_budgets: list[float] = field(default_factory=list)  # the budgets repeated with other seeds; []: all
     workers: int = 1  # runs trained at once in spawned processes (CPU: cores/workers threads each; GPU: see below)
     workers_per_gpu: int = 1  # GPU: workers that share one GPU (small runs side by side); sweep.workers in all
+    mps: str = "auto"  # auto | always | never: NVIDIA MPS for workers sharing a GPU (sweeps/mps.py); auto: if it works
     retries: int = 1  # with workers > 1: a run whose worker dies (or whose fit raises) is tried 1 + retries times
     storage: str = ""  # Optuna storage URL of the work queue; "": the journal file beside the database
     heartbeat_interval: int = 60  # RDB storage: seconds between a running trial's heartbeats
@@ -272,6 +273,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "sweep.seeds": _count(1),
     "sweep.workers": _count(1),
     "sweep.workers_per_gpu": _count(1),
+    "sweep.mps": _one_of("auto", "always", "never"),
     "sweep.retries": _count(0),
     "sweep.heartbeat_interval": _count(1),
     "sweep.grace_period": _count(1),

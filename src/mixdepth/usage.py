@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 PARTS = ("start-up", "run set-up", "compilation and first steps", "training steps", "evaluation",
          "idle or between runs", "analysis")  # fmt: skip
+SHARED = {"mps": "runs sharing a GPU under MPS", "time-sliced": "runs sharing a GPU time-sliced"}
 
 
 def process_start() -> float:
@@ -39,12 +40,14 @@ class Usage:
         sweep_id: the sweep.
         slots: runs trained at once.
         gpus: distinct GPUs the slots train on (0 on CPU: no utilisation, the parts still say where time went).
+        sharing: how slots that share a GPU ran: "mps" (at once), "time-sliced", or "unshared" (none share one).
         started: when the command started (``process_start``).
     """
 
     sweep_id: str
     slots: int
     gpus: int
+    sharing: str = "unshared"
     started: float = field(default_factory=process_start)
     training: float | None = None  # when the first run was handed out
     trained: float | None = None  # when the last run ended
@@ -97,6 +100,7 @@ class Usage:
             "parts": {
                 **parts,
                 "runs_mfu": self.mfu_flops / self.flops if known and self.flops else None,
+                "sharing": self.sharing,
                 "interrupted": interrupted,
             },
         }
@@ -113,6 +117,8 @@ def lines(row: dict) -> list[str]:
             f"sweep utilisation {row['utilisation']:.1%}: {row['train_flops']:.3g} training FLOPs over {wall:.0f} s"
             f" x {row['gpus']} GPU x {row['peak_flops']:.4g} FLOP/s peak"
         )
+        if parts.get("sharing") in SHARED:
+            head += f" ({SHARED[parts['sharing']]})"
     shares = []
     for k in PARTS:
         share = f"{k} {parts[k] / device_s:.1%}"

@@ -4,6 +4,7 @@ Commands:
     fit-csv PATH --n-col C --c-col C --loss-col C [--d-col C] [--method parametric|isoflop] [--holdout K] [--json]
     query --db PATH "SQL"
     export --db PATH TABLE OUT.parquet
+    publish --db PATH [--sweep ID] --out DIR   one sweep's rows as Parquet + README.md (provenance); any --db takes DIR
     fit --db PATH [--sweep ID] [--holdout K]   fits a sweep and writes the ``fits`` table
     forecast --db PATH [--sweep ID] [--holdout K]   predicts the largest K budgets from the others (read-only)
     plot --db PATH [--sweep ID] --out DIR  figures only (read-only)
@@ -120,6 +121,23 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_publish(args: argparse.Namespace) -> int:
+    from analysis.published import publish
+    from analysis.store import open_db, refuse_store_files, resolve_sweep
+
+    refuse_store_files(args.db, [Path(args.out)])
+    con = open_db(args.db)
+    try:
+        sid = resolve_sweep(con, args.sweep)
+        if sid is None:
+            raise AnalysisError(f"database {args.db} holds no finished sweep to publish")
+        counts = publish(con, sid, Path(args.out))
+    finally:
+        con.close()
+    print(f"published sweep {sid} to {args.out}: " + ", ".join(f"{n} {t}" for t, n in counts.items()))
+    return 0
+
+
 def _summary(fits) -> str:
     from analysis.query import format_table
 
@@ -233,6 +251,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("table", help="table or view name")
     e.add_argument("out", help="output .parquet path")
     e.set_defaults(func=_cmd_export)
+
+    pub = sub.add_parser("publish", help="write one sweep's rows as Parquet files and a README (machine, commit)")
+    pub.add_argument("--db", required=True, help="DuckDB store")
+    pub.add_argument("--sweep", help="sweep id (default: the sweep with the newest finished run)")
+    pub.add_argument("--out", required=True, help="output folder (created); --db of any command takes it")
+    pub.set_defaults(func=_cmd_publish)
 
     for name, help_ in (
         ("fit", "fit a sweep (isoFLOP parabolas, power laws, parametric, forecast) and write the fits table"),

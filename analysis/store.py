@@ -35,9 +35,14 @@ def open_db(path: str | os.PathLike) -> duckdb.DuckDBPyConnection:
 
 
 def _existing(path: str | os.PathLike) -> Path:
+    """The database file at ``path``; for a published sweep's folder (``analysis.published``), its rows loaded."""
+    from analysis.published import is_published, load
+
     p = Path(path)
     if not p.exists():
         raise StoreError(f"database {p} does not exist")
+    if is_published(p):
+        return load(p)
     if not p.is_file():
         raise StoreError(f"database {p} is not a file")
     return p
@@ -48,6 +53,8 @@ def held(db: str | os.PathLike | Writer, *, write: bool) -> Iterator[str | os.Pa
     """What ``session`` opens for the block: the caller's ``Writer`` (the sweep runner's) as it is, else the path
     when only reading, or when ``write`` a ``Writer`` of the existing store held for the block."""
     if write and not isinstance(db, Writer):
+        if Path(db).is_dir():
+            raise StoreError(f"{db} is a published sweep (read-only): fits are not stored there; drop --store")
         with writer(_existing(db)) as w:
             yield w
     else:

@@ -1,0 +1,104 @@
+"""A sweep published as files: its rows of ``sweeps``, ``runs``, ``curves`` and ``sweep_usage`` as Parquet, and a
+README.md with the machine, versions, commit and command, in one folder (``python -m analysis publish``).
+
+Every command that reads a store (report, plot, forecast, query) also takes such a folder as ``--db``: it is loaded
+into a temporary database with the store's schema, so the fits and figures come out as from the original.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import duckdb
+
+from mixdepth.results import StoreError, connect
+
+TABLES = {  # table -> the rows of one sweep
+    "sweeps": "SELECT * FROM sweeps WHERE sweep_id = ?",
+    "runs": "SELECT * FROM runs WHERE sweep_id = ? ORDER BY arch, budget, params_nonembed, seed",
+    "curves": "SELECT c.* FROM curves c JOIN runs r USING (run_id) WHERE r.sweep_id = ? ORDER BY run_id, step",
+    "sweep_usage": "SELECT * FROM sweep_usage WHERE sweep_id = ? ORDER BY started_at",
+}
+_loaded: dict[Path, Path] = {}  # published folder -> its temporary database, for this process
+
+
+def is_published(path: str | Path) -> bool:
+    p = Path(path)
+    return p.is_dir() and all((p / f"{t}.parquet").is_file() for t in TABLES)
+
+
+def publish(con: duckdb.DuckDBPyConnection, sweep_id: str, out: Path) -> dict[str, int]:
+    """Write ``sweep_id``'s rows to ``out`` (created) and its README.md; returns the rows written per table."""
+    out.mkdir(parents=True, exist_ok=True)
+    counts = {}
+    for table, sql in TABLES.items():
+        rel = con.sql(sql, params=[sweep_id])
+        rel.write_parquet(str(out / f"{table}.parquet"))
+        counts[table] = len(rel.fetchall())
+    (out / "README.md").write_text(_readme(con, sweep_id, counts))
+    return counts
+
+
+def _readme(con: duckdb.DuckDBPyConnection, sweep_id: str, counts: dict[str, int]) -> str:
+    name, preset, version, commit, command, created = con.execute(
+        "SELECT name, preset, version, commit, command, created_at FROM sweeps WHERE sweep_id = ?", [sweep_id]
+    ).fetchone()
+    machines = con.execute(
+        "SELECT device, precision, versions, count(*), min(corpus), min(corpus_fingerprint) FROM runs"
+        " WHERE sweep_id = ? GROUP BY ALL ORDER BY 4 DESC",
+        [sweep_id],
+    ).fetchall()
+    lines = [
+        f"# Sweep {sweep_id}",
+        "",
+        f"Preset `{preset}` (name {name}), begun {created:%Y-%m-%d %H:%M} UTC; mixdepth {version}, commit"
+        f" {commit or 'unknown'}.",
+        "",
+        f"Command: `{command or 'unknown'}`",
+        "",
+        "Where its runs trained:",
+        "",
+        "| device | precision | versions | runs | corpus | corpus fingerprint |",
+        "|---|---|---|---|---|---|",
+    ]
+    for device, precision, versions, n, corpus, fingerprint in machines:
+        v = ", ".join(f"{k} {x}" for k, x in json.loads(versions or "{}").items())
+        lines.append(f"| {device} | {precision} | {v} | {n} | {corpus} | {fingerprint} |")
+    lines += [
+        "",
+        "Files: " + ", ".join(f"`{t}.parquet` ({n} rows)" for t, n in counts.items()) + ".",
+        "",
+        "Fit, forecast, plot or report them without the GPU (the folder stands for the database):",
+        "",
+        "```bash",
+        f"python -m analysis report --db {{this folder}} --sweep {sweep_id} --out report",
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def load(folder: Path) -> Path:
+    """A temporary read-only-use database with the store's schema holding ``folder``'s rows (made once per
+    process, removed at its exit)."""
+    folder = folder.resolve()
+    if folder in _loaded:
+        return _loaded[folder]
+    tmp = Path(tempfile.mkdtemp(prefix="mixdepth-published-"))
+    atexit.register(shutil.rmtree, tmp, True)
+    db = tmp / "published.db"
+    con = connect(db)
+    try:
+        for table in TABLES:
+            path = str(folder / f"{table}.parquet")
+            con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM read_parquet(?)", [path])
+    except duckdb.Error as e:
+        raise StoreError(f"published folder {folder}: {str(e).strip().splitlines()[0]}") from None
+    finally:
+        con.close()
+    _loaded[folder] = db
+    return db

@@ -1,0 +1,83 @@
+"""analysis publish: one sweep's rows as Parquet with its provenance, read back by every command as if the store."""
+
+import datetime as dt
+import json
+
+import duckdb
+import pytest
+
+from analysis.__main__ import main
+from analysis.synthetic import fake_runs
+from mixdepth.results import add_run, add_sweep, add_usage, connect
+from mixdepth.usage import PARTS
+
+PROVENANCE = {"planned": 30, "version": "0.9", "commit": "abc1234", "command": "python3 -m sweeps isoflop --preset x"}
+
+
+@pytest.fixture
+def store(tmp_path):
+    db = tmp_path / "results.db"
+    con = connect(db)
+    add_sweep(con, "s1", "iso", "isoflop_h200", {"sweep": {"budgets": [1e15]}}, PROVENANCE)
+    add_sweep(con, "other", "iso", "isoflop", {}, {})
+    budgets = (1e15, 1e16, 1e17)
+    for arch, scale in (("dense", 1.0), ("mod", 0.6)):
+        for row in fake_runs("s1", arch, budgets=budgets, sizes_per_budget=5, flops_scale=scale):
+            row |= {"device": "NVIDIA H200", "precision": "bf16-mixed", "versions": {"torch": "2.11.0"}}
+            add_run(con, row, [{"step": s, "tokens": 10 * s, "flops": 1.0 * s, "train_loss": 5.0 / s, "lr": 1e-3}
+                               for s in (1, 2)])  # fmt: skip
+    for row in fake_runs("other", "dense", budgets=(1e15,), sizes_per_budget=3):
+        add_run(con, row, [{"step": 1, "tokens": 10, "flops": 1.0, "train_loss": 5.0, "lr": 1e-3}])
+    add_usage(con, {
+        "sweep_id": "s1", "started_at": dt.datetime(2026, 12, 2, 17, 39), "wall_s": 300.0, "gpus": 1,
+        "peak_flops": 9.895e14, "train_flops": 4e16, "runs": 30, "utilisation": 0.133,
+        "parts": dict.fromkeys(PARTS, 300.0 / len(PARTS)),
+    })  # fmt: skip
+    con.close()
+    return db
+
+
+def test_publish_writes_the_sweeps_rows_and_its_provenance(store, tmp_path, capsys):
+    out = tmp_path / "published"
+    assert main(["publish", "--db", str(store), "--sweep", "s1", "--out", str(out)]) == 0
+    assert capsys.readouterr().out == f"published sweep s1 to {out}: 1 sweeps, 30 runs, 60 curves, 1 sweep_usage\n"
+    count = lambda t: duckdb.sql(f"SELECT count(*) FROM '{out / t}.parquet'").fetchall()[0][0]  # noqa: E731
+    assert [count(t) for t in ("sweeps", "runs", "curves", "sweep_usage")] == [1, 30, 60, 1]
+    assert duckdb.sql(f"SELECT DISTINCT sweep_id FROM '{out}/runs.parquet'").fetchall() == [("s1",)]
+    readme = (out / "README.md").read_text()
+    for fact in ("# Sweep s1", "Preset `isoflop_h200`", "commit abc1234", "`python3 -m sweeps isoflop --preset x`",
+                 "| NVIDIA H200 | bf16-mixed | torch 2.11.0 | 30 |", "--db {this folder} --sweep s1"):  # fmt: skip
+        assert fact in readme, fact
+
+
+def test_every_reading_command_takes_the_folder_as_the_store(store, tmp_path, capsys):
+    out = tmp_path / "published"
+    assert main(["publish", "--db", str(store), "--sweep", "s1", "--out", str(out)]) == 0
+    for db, report in ((store, tmp_path / "from_db"), (out, tmp_path / "from_files")):
+        assert main(["report", "--db", str(db), "--sweep", "s1", "--out", str(report)]) == 0
+    original = json.loads((tmp_path / "from_db" / "fits.json").read_text())
+    assert json.loads((tmp_path / "from_files" / "fits.json").read_text()) == original
+    assert original["archs"][0]["isoflop"]["n_opt"] is not None  # a real fit was compared
+    text = (tmp_path / "from_files" / "report.md").read_text()
+    assert "abc1234" in text and "13.3%" in text  # provenance and the stored utilisation came along
+    capsys.readouterr()
+    assert main(["query", "--db", str(out), "SELECT count(*) AS n FROM frontier"]) == 0
+    assert "6" in capsys.readouterr().out  # 2 archs x 3 budgets: the views work on the loaded rows
+
+
+def test_a_published_folder_is_read_only(store, tmp_path, capsys):
+    out = tmp_path / "published"
+    assert main(["publish", "--db", str(store), "--sweep", "s1", "--out", str(out)]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+    assert main(["report", "--db", str(out), "--out", str(tmp_path / "r"), "--store"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"error: {out} is a published sweep (read-only): fits are not stored there; drop --store"]
+    assert main(["fit", "--db", str(out)]) == 1
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_a_folder_that_is_not_a_published_sweep(tmp_path, capsys):
+    (tmp_path / "runs.parquet").write_text("not parquet")
+    assert main(["report", "--db", str(tmp_path), "--out", str(tmp_path / "r")]) == 1
+    assert capsys.readouterr().err.splitlines() == [f"error: database {tmp_path} is not a file"]

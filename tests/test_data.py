@@ -284,3 +284,22 @@ def test_training_batches_are_pinned_for_a_gpu_trainer() -> None:
         strategy = SimpleNamespace(root_device=torch.device(device))
         dm.trainer = SimpleNamespace(global_step=0, global_rank=0, world_size=1, strategy=strategy)
         assert dm.train_dataloader().pin_memory is pinned
+
+
+def test_site_packages_corpus_reads_the_installed_packages_sources(cache: Path) -> None:
+    """The installed packages' .py files, in path order (numpy is installed wherever mixdepth runs)."""
+    import site
+    import sysconfig
+
+    c = load_corpus(DataConfig(corpus="site-packages", max_bytes=3_000_000, val_tokens=1024, seq_len=32))
+    assert c.name.startswith("site-packages:python") and c.vocab_size == 256
+    files = c.train_files + c.val_files
+    assert files and all(f.endswith(".py") and "__pycache__" not in f for f in files)
+    roots = {os.path.realpath(r) for r in (*site.getsitepackages(), sysconfig.get_paths()["purelib"])}
+    assert all(any(f.startswith(r + "/") for r in roots) for f in files)
+    assert Path(files[0]).read_bytes()[:100].decode("utf-8", "replace")  # the names are the files' paths
+    assert (
+        load_corpus(DataConfig(corpus="site-packages", max_bytes=3_000_000, val_tokens=1024, seq_len=32)).fingerprint
+        == c.fingerprint
+    )
+    assert c.train.numel() + 1024 <= 3_000_000

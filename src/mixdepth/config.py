@@ -43,7 +43,7 @@ class DataConfig:
     """Where tokens come from and how they are split (plain types only: built from YAML).
 
     Attributes:
-        corpus: ``"stdlib"``, a text file, a folder, a glob, or a ``.bin`` token memmap.
+        corpus: ``"stdlib"``, ``"site-packages"``, a text file, a folder, a glob, or a ``.bin`` token memmap.
         tokenizer: ``"bytes"`` (vocab 256) or ``"bpe"`` (trained locally on the train split).
         bpe_vocab_size: BPE target vocabulary (> 256).
         bin_dtype: dtype of ``.bin`` ids: ``uint16`` or ``uint32``.

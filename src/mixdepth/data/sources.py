@@ -6,6 +6,9 @@ Sources (``DataConfig.corpus``):
   (``sysconfig.get_paths()["stdlib"]``) in sorted relative-path order. Skipped folders, see
   ``STDLIB_SKIP``: third-party code (``site-packages``), test suites (``test``, ``tests``, ``idle_test``),
   IDLE, lib2to3, turtledemo, ensurepip and ``encodings`` (generated codec tables, not prose or code).
+- ``"site-packages"`` (no download): the ``.py`` files of the running interpreter's installed packages (every
+  folder of ``site.getsitepackages()`` and sysconfig's purelib/platlib, sorted by path; ``__pycache__`` skipped):
+  hundreds of MB on a machine with a deep-learning stack, for budgets where the standard library would repeat.
 - a text file, a folder (every text file inside, recursively, sorted; hidden entries and ``__pycache__``
   skipped; a file is text when its first 8 KiB hold no NUL byte) or a glob (``data/*.txt``, ``**`` allowed).
 - a pre-tokenised ``.bin`` memmap of ``bin_dtype`` ids below ``bin_vocab_size``.
@@ -26,6 +29,7 @@ import logging
 import os
 import platform
 import re
+import site
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,6 +103,14 @@ def _list_text_source(cfg: DataConfig) -> tuple[list[tuple[str, str]], bool, str
     if src == "stdlib":
         root = sysconfig.get_paths()["stdlib"]
         return _regular(src, _walk(root, STDLIB_SKIP, ".py")), True, f"stdlib:python{platform.python_version()}"
+    if src == "site-packages":
+        paths = sysconfig.get_paths()
+        roots = sorted({os.path.realpath(r) for r in (*site.getsitepackages(), paths["purelib"], paths["platlib"])})
+        files = [(f"{root}/{rel}", p) for root in roots if os.path.isdir(root)
+                 for rel, p in _walk(root, frozenset({"__pycache__"}), ".py")]  # fmt: skip
+        if not files:
+            raise DataError("data.corpus=site-packages: this interpreter has no installed packages' .py files")
+        return _regular(src, files), True, f"site-packages:python{platform.python_version()}"
     expanded = os.path.expanduser(src)
     if is_glob(src):
         matches = [p for p in sorted(glob.glob(expanded, recursive=True)) if not os.path.isdir(p)]

@@ -24,7 +24,16 @@ from analysis.isoflop import fit_isoflop
 from analysis.optimal import compute_optimal
 from analysis.parametric import fit_parametric
 from analysis.records import Forecast, IsoflopFit, ParametricFit, ParametricFrontier, plain
-from analysis.store import fit_rows, held, load_curves, load_points, resolve_sweep, session, sweep_summary
+from analysis.store import (
+    fit_rows,
+    held,
+    load_curves,
+    load_points,
+    load_times,
+    resolve_sweep,
+    session,
+    sweep_summary,
+)  # fmt: skip
 from mixdepth.results import Writer, add_fits
 
 MIN_PARAMETRIC_POINTS = 6
@@ -156,7 +165,9 @@ OUTPUT_NAMES = (
 )  # fmt: skip
 
 
-def _figures(long: pd.DataFrame, curves: pd.DataFrame, fits: SweepFits, out: Path, notes: list[str]) -> dict[str, Path]:
+def _figures(
+    long: pd.DataFrame, curves: pd.DataFrame, times: pd.DataFrame, fits: SweepFits, out: Path, notes: list[str]
+) -> dict[str, Path]:
     from analysis import plots  # matplotlib only when figures are wanted
 
     iso = {a.arch: a.isoflop for a in fits.archs}
@@ -180,6 +191,8 @@ def _figures(long: pd.DataFrame, curves: pd.DataFrame, fits: SweepFits, out: Pat
         notes.append(f"training-curves plot skipped: {e}")
     par = {a.arch: a.parametric for a in fits.archs}
     paths["residuals_plot"] = plots.plot_residuals(long, iso, par, out / "residuals.png")
+    if not times.empty:
+        paths["time_plot"] = plots.plot_time_frontier(times, out / "time_frontier.png")
     return paths
 
 
@@ -222,6 +235,7 @@ def run_all(
             sid = resolve_sweep(con, sweep_id)
             points = load_points(con, sid)
             curves = load_curves(con, sid) if plots else None
+            times = load_times(con, sid)
         fits = fit_points(points, sid, holdout=holdout)
         if store:
             with session(db) as con:
@@ -233,7 +247,7 @@ def run_all(
         notes: list[str] = []
         long = series_points(points)
         if plots:
-            paths.update(_figures(long, curves, fits, out, notes))
+            paths.update(_figures(long, curves, times, fits, out, notes))
         if report:
             from analysis.report import write_report
 
@@ -241,5 +255,5 @@ def run_all(
                 before_report()
             with session(db) as con:
                 summary = sweep_summary(con, sid)
-            paths["report"] = write_report(out / "report.md", fits, long, summary, paths, notes)
+            paths["report"] = write_report(out / "report.md", fits, long, summary, paths, notes, times=times)
     return paths

@@ -266,6 +266,33 @@ def _noise_lines(points: pd.DataFrame) -> list[str]:
     return lines
 
 
+def _time_lines(times: pd.DataFrame, summary: Mapping[str, Any]) -> list[str]:
+    """Time-matched view: what each arch's training FLOPs cost in seconds, and its best loss with that time."""
+    usage = summary.get("usage") or []
+    shared = any((u.get("parts") or {}).get("sharing") in ("mps", "time-sliced") for u in usage)
+    lines = [
+        "## Time-matched view",
+        "",
+        "The same runs against time instead of FLOPs (figure `time_frontier`): an arch whose FLOPs run slower or",
+        "faster than dense's (routing, depth attention, small matmuls) moves along this axis. Steady s = the run's",
+        "tokens at its steady-state rate (compilation and first steps excluded); wall s = its whole fit.",
+        "Seconds per PFLOP: the median over the arch's runs of steady s per 1e15 training FLOPs.",
+    ]
+    if shared:
+        lines.append("Runs here shared a GPU with others (sweep.workers_per_gpu): each one's seconds include them.")
+    lines.append("")
+    per = times.assign(s_per_pflop=times["steady_s"] / (times["train_flops"] / 1e15))
+    med = per.groupby("arch")["s_per_pflop"].median()
+    rows = []
+    for arch, runs in per.groupby("arch", sort=True):
+        best = runs.loc[runs["val_loss"].idxmin()]
+        vs = f"{med[arch] / med['dense']:.3f}" if "dense" in med else "-"
+        rows.append([arch, len(runs), _g(med[arch]), vs, _g(best["val_loss"]), _g(best["steady_s"], 3),
+                     _g(best["wall_s"], 3)])  # fmt: skip
+    head = ["arch", "runs", "steady s per PFLOP", "vs dense", "best loss", "its steady s", "its wall s"]
+    return lines + _table(head, rows)
+
+
 def build_report(
     fits: SweepFits,
     points: pd.DataFrame,
@@ -273,6 +300,7 @@ def build_report(
     figures: Mapping[str, Path],
     notes: Sequence[str] = (),
     base: Path | None = None,
+    times: pd.DataFrame | None = None,
 ) -> str:
     """Markdown text of the report.
 
@@ -283,6 +311,7 @@ def build_report(
         figures: name -> PNG path; keys ending in "_plot" are embedded.
         notes: global notes (e.g. figures skipped).
         base: folder the report is written to; figure links are relative to it.
+        times: ``store.load_times`` rows (each run's loss and seconds) for the time-matched view.
     """
     lines = [f"# Scaling-law report: sweep {summary.get('sweep_id')}", ""]
     lines += _header_lines(fits, summary)
@@ -360,6 +389,8 @@ def build_report(
     lines += _forecast_lines(fits)
     if not points.empty:
         lines += _noise_lines(points)
+    if times is not None and not times.empty:
+        lines += _time_lines(times, summary)
 
     figs = [(k, v) for k, v in figures.items() if k.endswith("_plot")]
     if figs:
@@ -382,9 +413,10 @@ def write_report(
     summary: Mapping[str, Any],
     figures: Mapping[str, Path],
     notes: Sequence[str] = (),
+    times: pd.DataFrame | None = None,
 ) -> Path:
     """Write ``build_report`` to ``out`` (figure links relative to its folder) and return the path."""
     p = Path(out)
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(build_report(fits, points, summary, figures, notes, base=p.parent))
+    p.write_text(build_report(fits, points, summary, figures, notes, base=p.parent, times=times))
     return p

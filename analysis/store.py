@@ -132,6 +132,17 @@ def load_points(con: duckdb.DuckDBPyConnection, sweep_id: str | None) -> pd.Data
     ).df()
 
 
+def load_times(con: duckdb.DuckDBPyConnection, sweep_id: str | None) -> pd.DataFrame:
+    """Each finished run's loss and time: arch, budget, n, val_loss, train_flops, wall_s (its fit, compilation
+    included) and steady_s (tokens at its steady-state rate); ordered by arch, budget, n."""
+    return con.execute(
+        "SELECT arch, budget, params_nonembed AS n, val_loss, train_flops, wall_s, tokens / tokens_per_s AS steady_s"
+        " FROM runs WHERE sweep_id IS NOT DISTINCT FROM ? AND status = 'ok' AND val_loss IS NOT NULL"
+        " AND tokens_per_s > 0 ORDER BY arch, budget, n",
+        [sweep_id],
+    ).df()
+
+
 def load_curves(con: duckdb.DuckDBPyConnection, sweep_id: str | None) -> pd.DataFrame:
     """Training curves of a sweep's runs (every status), with the run's arch, budget, N and status.
 

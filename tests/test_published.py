@@ -23,7 +23,9 @@ def store(tmp_path):
     budgets = (1e15, 1e16, 1e17)
     for arch, scale in (("dense", 1.0), ("mod", 0.6)):
         for row in fake_runs("s1", arch, budgets=budgets, sizes_per_budget=5, flops_scale=scale):
-            row |= {"device": "NVIDIA H200", "precision": "bf16-mixed", "versions": {"torch": "2.11.0"}}
+            rate = 1e6 / scale**1.3  # tokens/s: MoD's cheaper tokens run faster than their FLOPs alone say
+            row |= {"device": "NVIDIA H200", "precision": "bf16-mixed", "versions": {"torch": "2.11.0"},
+                    "tokens_per_s": rate, "wall_s": 5.0 + row["tokens"] / rate}  # fmt: skip
             add_run(con, row, [{"step": s, "tokens": 10 * s, "flops": 1.0 * s, "train_loss": 5.0 / s, "lr": 1e-3}
                                for s in (1, 2)])  # fmt: skip
     for row in fake_runs("other", "dense", budgets=(1e15,), sizes_per_budget=3):
@@ -31,7 +33,7 @@ def store(tmp_path):
     add_usage(con, {
         "sweep_id": "s1", "started_at": dt.datetime(2026, 12, 2, 17, 39), "wall_s": 300.0, "gpus": 1,
         "peak_flops": 9.895e14, "train_flops": 4e16, "runs": 30, "utilisation": 0.133,
-        "parts": dict.fromkeys(PARTS, 300.0 / len(PARTS)),
+        "parts": {**dict.fromkeys(PARTS, 300.0 / len(PARTS)), "sharing": "mps"},
     })  # fmt: skip
     con.close()
     return db
@@ -81,3 +83,18 @@ def test_a_folder_that_is_not_a_published_sweep(tmp_path, capsys):
     (tmp_path / "runs.parquet").write_text("not parquet")
     assert main(["report", "--db", str(tmp_path), "--out", str(tmp_path / "r")]) == 1
     assert capsys.readouterr().err.splitlines() == [f"error: database {tmp_path} is not a file"]
+
+
+def test_the_report_shows_the_runs_against_time(store, tmp_path):
+    """The time-matched view: seconds per PFLOP against dense's, each arch's best loss with its time, the figure."""
+    assert main(["report", "--db", str(store), "--sweep", "s1", "--out", str(tmp_path / "r")]) == 0
+    text = (tmp_path / "r" / "report.md").read_text()
+    section = text[text.index("## Time-matched view") :].split("\n## ")[0]
+    assert "shared a GPU with others" in section  # the stored usage says the runs shared it under MPS
+    rows = {
+        line.split(" | ")[0].strip("| "): line.split(" | ") for line in section.splitlines() if line.startswith("| ")
+    }
+    # the same tokens and training FLOPs per (budget, N) for both archs (fake_runs), MoD at 0.6**-1.3 x dense's rate
+    assert float(rows["mod"][3]) == pytest.approx(0.6**1.3, abs=1e-3) and rows["dense"][3] == "1.000"
+    assert rows["mod"][1] == "15" and (tmp_path / "r" / "time_frontier.png").stat().st_size > 10_000
+    assert "![time_plot](time_frontier.png)" in text

@@ -33,7 +33,7 @@ from analysis.store import (
     resolve_sweep,
     session,
     sweep_summary,
-)  # fmt: skip
+)
 from mixdepth.results import Writer, add_fits
 
 MIN_PARAMETRIC_POINTS = 6
@@ -161,7 +161,7 @@ def store_fits(con: duckdb.DuckDBPyConnection, fits: SweepFits) -> int:
 # Files run_all may write into its output folder.
 OUTPUT_NAMES = (
     "fits.json", "isoflop.png", "frontier.png", "forecast.png", "mod_normalized.png", "curves.png",
-    "residuals.png", "report.md",
+    "residuals.png", "time_frontier.png", "report.md",
 )  # fmt: skip
 
 

@@ -7,6 +7,7 @@ import duckdb
 import pytest
 
 from analysis.__main__ import main
+from analysis.pipeline import OUTPUT_NAMES
 from analysis.synthetic import fake_runs
 from mixdepth.results import add_run, add_sweep, add_usage, connect
 from mixdepth.usage import PARTS
@@ -98,3 +99,4 @@ def test_the_report_shows_the_runs_against_time(store, tmp_path):
     assert float(rows["mod"][3]) == pytest.approx(0.6**1.3, abs=1e-3) and rows["dense"][3] == "1.000"
     assert rows["mod"][1] == "15" and (tmp_path / "r" / "time_frontier.png").stat().st_size > 10_000
     assert "![time_plot](time_frontier.png)" in text
+    assert {p.name for p in (tmp_path / "r").iterdir()} <= set(OUTPUT_NAMES)  # the CLI guards each of them

@@ -190,8 +190,10 @@ def _gpu_busy_ms(step, n: int = 3) -> float:
 
 
 def bench_compile(args) -> None:
-    """One run's fit at a shape three times per arch: with empty Inductor/Triton caches (a folder of its own), with
-    those on-disk caches warm (``torch._dynamo.reset()``: what a new process finds), and in-process (no reset)."""
+    """One run's fit at a shape three times per arch: with empty on-disk Inductor/Triton caches (a folder of its own;
+    kernels an earlier arch loaded in this process can still be reused), with those caches warm after
+    ``torch._dynamo.reset()`` (dynamo traces again, as a new process would, less its imports), and in-process (no
+    reset: dynamo's compiled code is reused)."""
     import os
 
     from torch._dynamo.utils import compilation_time_metrics, compile_times

@@ -13,6 +13,7 @@ nodes need an external launcher.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import importlib.util
 import os
@@ -162,8 +163,13 @@ def launch(fn: Callable[..., R], t: TrainConfig, *args: Any) -> R:
     exception in a rank ends the others and is raised here (one that cannot be pickled as a RuntimeError with its
     first line).
     """
-    if cluster().external or t.devices * t.num_nodes == 1:
+    if t.devices * t.num_nodes == 1:
         return fn(*args)
+    if cluster().external:
+        value = fn(*args)
+        atexit.unregister(destroy_group)  # once per process, however many runs it trains
+        atexit.register(destroy_group)  # after a run that ended well: every rank is through its collectives
+        return value
     with tempfile.TemporaryDirectory(prefix="mixdepth-ranks-") as tmp:
         folder = Path(tmp)
         (folder / "job.pkl").write_bytes(pickle.dumps((fn, args)))
@@ -186,6 +192,17 @@ def launch(fn: Callable[..., R], t: TrainConfig, *args: Any) -> R:
                     p.kill()
                     p.wait()
         return _outcome(folder, codes)
+
+
+def destroy_group() -> None:
+    """Destroy the default process group, if any, once a rank's runs ended well (a failed rank leaves it: its peers
+    may still wait in a collective). Left to the C++ destructors at exit, a gloo group can abort a process whose
+    work is done ("terminate called without an active exception", SIGABRT: seen under torchrun and under this
+    module's own ranks)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _wait(procs: list[subprocess.Popen]) -> list[int | None]:
@@ -239,6 +256,8 @@ def _rank_main(folder: Path, parent: int) -> int:
             why = text.splitlines()[0] if text else type(out[1]).__name__
             data = pickle.dumps(("error", RuntimeError(f"rank {rank}: {why}")))
         (folder / f"rank{rank}.pkl").write_bytes(data)
+    if not code:
+        destroy_group()
     return code
 
 

@@ -36,9 +36,9 @@ def publish(con: duckdb.DuckDBPyConnection, sweep_id: str, out: Path) -> dict[st
     out.mkdir(parents=True, exist_ok=True)
     counts = {}
     for table, sql in TABLES.items():
-        rel = con.sql(sql, params=[sweep_id])
-        rel.write_parquet(str(out / f"{table}.parquet"))
-        counts[table] = len(rel.fetchall())
+        path = str(out / f"{table}.parquet")
+        con.sql(sql, params=[sweep_id]).write_parquet(path)
+        counts[table] = con.execute("SELECT count(*) FROM read_parquet(?)", [path]).fetchall()[0][0]  # its metadata
     (out / "README.md").write_text(_readme(con, sweep_id, counts))
     return counts
 
@@ -46,7 +46,7 @@ def publish(con: duckdb.DuckDBPyConnection, sweep_id: str, out: Path) -> dict[st
 def _readme(con: duckdb.DuckDBPyConnection, sweep_id: str, counts: dict[str, int]) -> str:
     name, preset, version, commit, command, created = con.execute(
         "SELECT name, preset, version, commit, command, created_at FROM sweeps WHERE sweep_id = ?", [sweep_id]
-    ).fetchone()
+    ).fetchall()[0]
     machines = con.execute(
         "SELECT device, precision, versions, count(*), min(corpus), min(corpus_fingerprint) FROM runs"
         " WHERE sweep_id = ? GROUP BY ALL ORDER BY 4 DESC",

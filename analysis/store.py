@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import duckdb
 
 from analysis.errors import AnalysisError
+from analysis.published import is_published, load
 from analysis.records import Forecast, IsoflopFit, ParametricFit
 from mixdepth.results import USAGE_COLUMNS, StoreError, Writer, connect, store_files, writer
 
@@ -36,8 +37,6 @@ def open_db(path: str | os.PathLike) -> duckdb.DuckDBPyConnection:
 
 def _existing(path: str | os.PathLike) -> Path:
     """The database file at ``path``; for a published sweep's folder (``analysis.published``), its rows loaded."""
-    from analysis.published import is_published, load
-
     p = Path(path)
     if not p.exists():
         raise StoreError(f"database {p} does not exist")

@@ -42,6 +42,21 @@ def _quit(control: str, env: dict[str, str], root: str) -> None:
     shutil.rmtree(root, ignore_errors=True)
 
 
+def _start(control: str, check: Callable[[dict], str | None]) -> tuple[dict[str, str], str, str | None]:
+    """A control daemon with private pipe and log folders: (its environment, their root, None), or why it does not
+    serve (then it is stopped again)."""
+    root = tempfile.mkdtemp(prefix="mixdepth-mps-")
+    env = {**os.environ, ENV[0]: os.path.join(root, "pipe"), ENV[1]: os.path.join(root, "log")}
+    for k in ENV:
+        os.makedirs(env[k])
+    started = subprocess.run([control, "-d"], env=env, capture_output=True, text=True)
+    said = started.stderr.strip().splitlines() or [f"{CONTROL} -d exited with {started.returncode}"]
+    why = said[-1] if started.returncode else check(env)
+    if why:
+        _quit(control, env, root)
+    return env, root, why
+
+
 @contextmanager
 def serve(mode: str, gpus: list[str], check: Callable[[dict], str | None] = client_error) -> Iterator[str]:
     """MPS for the sweep's training slots (``gpus``: each slot's CUDA_VISIBLE_DEVICES) while inside.
@@ -60,17 +75,7 @@ def serve(mode: str, gpus: list[str], check: Callable[[dict], str | None] = clie
         yield "running"
         return
     control = shutil.which(CONTROL)
-    why = None if control else f"{CONTROL} is not on PATH"
-    root = tempfile.mkdtemp(prefix="mixdepth-mps-") if control else ""
-    env = {**os.environ, ENV[0]: os.path.join(root, "pipe"), ENV[1]: os.path.join(root, "log")}
-    if control:
-        for folder in (env[ENV[0]], env[ENV[1]]):
-            os.makedirs(folder)
-        started = subprocess.run([control, "-d"], env=env, capture_output=True, text=True)
-        said = started.stderr.strip().splitlines() or [f"{CONTROL} -d exited with {started.returncode}"]
-        why = said[-1] if started.returncode else check(env)
-        if why:
-            _quit(control, env, root)
+    env, root, why = _start(control, check) if control else ({}, "", f"{CONTROL} is not on PATH")
     if why:
         if mode == "always":
             raise ConfigError(

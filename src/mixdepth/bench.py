@@ -89,16 +89,20 @@ def bench_loop(args) -> None:
     print(f"ratio Lightning / plain = {lt / p:.3f}")
 
 
+def synthetic_data(folder: Path, vocab: int, tokens: int, seq_len: int, val_tokens: int) -> DataConfig:
+    """A .bin corpus of uniform random token ids in ``folder``: speed only, no learnable structure."""
+    path = folder / "tokens.bin"
+    np.random.default_rng(0).integers(0, vocab, size=tokens, dtype=np.uint16).tofile(path)
+    return DataConfig(corpus=str(path), bin_vocab_size=vocab, seq_len=seq_len, val_tokens=val_tokens)
+
+
 def bench_mfu(args) -> None:
     """Tokens/s and MFU through ``train.fit`` (the path every sweep run takes) of each arch at one shape, side by
     side in one process; the speed of each relative to the first (MoD vs dense with the trainer's settings)."""
     vocab = args.vocab
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "tokens.bin"
-        rng = np.random.default_rng(0)
-        rng.integers(0, vocab, size=args.tokens, dtype=np.uint16).tofile(path)  # synthetic: speed only
         T, d, H = args.seq_len, args.d_model, args.d_model // 64
-        data = DataConfig(corpus=str(path), bin_vocab_size=vocab, seq_len=T, val_tokens=T * 64)
+        data = synthetic_data(Path(tmp), vocab, args.tokens, T, val_tokens=T * 64)
         train = TrainConfig(
             batch_size=args.batch_size,
             compile=not args.no_compile,
@@ -200,9 +204,7 @@ def bench_compile(args) -> None:
 
     T, d, L = args.seq_len, args.d_model, args.n_layers
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "tokens.bin"
-        np.random.default_rng(0).integers(0, 256, size=args.tokens, dtype=np.uint16).tofile(path)
-        data = DataConfig(corpus=str(path), bin_vocab_size=256, seq_len=T, val_tokens=T * 256)
+        data = synthetic_data(Path(tmp), 256, args.tokens, T, val_tokens=T * 256)
         train = TrainConfig(
             batch_size=args.batch_size, lr=1.5e-3, accelerator=args.accelerator, compile=True,
             compile_mode=args.compile_mode, log_every=25, progress=False,

@@ -29,7 +29,7 @@ def _payload(i: int) -> dict:
     model = MODELS["dense"][0](d_model=64, n_layers=2, n_heads=2, n_kv_heads=2)
     run = RunConfig(model=model, data=DataConfig(), train=TrainConfig(), steps=1000)
     row = {"run_id": f"bench-{i}", "sweep_id": "bench", "arch": "dense", "budget": 1e12, "steps": 1000}
-    row |= {"d_model": 64, "n_layers": 2, "params_nonembed": 100_000, "tokens": 2_048_000}
+    row |= {"d_model": 64, "n_layers": 2, "params_nonembed": 100_000, "tokens": 2_048_000, "train_flops": 1.2e12}
     row["config"] = {"model": asdict(model), "data": asdict(run.data), "train": asdict(run.train)}
     return queue.encode_run(run, row)
 

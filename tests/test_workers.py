@@ -200,3 +200,21 @@ def test_killing_the_sweep_leaves_no_process_behind(sweeps):
     assert s.proc.wait(10) == -signal.SIGKILL and s.error is None, s.error
     assert sum("resource_tracker" in c for c in s.seen) == 1 and len(s.seen) == 4, s.seen  # sweep, 2 workers, tracker
     assert s.left == [], s.left
+
+
+def test_runs_are_queued_longest_first_and_ties_keep_their_order():
+    """Workers take the narrowest model of the largest budget first and end on short runs (``queue.cost``)."""
+    from sweeps import queue
+
+    def run(rid: str, flops: float, d: int) -> dict:
+        row = {"run_id": rid, "arch": "dense", "budget": flops, "params_nonembed": 1, "tokens": 1, "d_model": d}
+        return {"run": {}, "row": {**row, "n_layers": 1, "seed": 0, "train_flops": flops}}
+
+    study = optuna.create_study()
+    plan = [run("small-wide", 1e15, 768), run("small-narrow", 1e15, 192), run("big-wide", 4e15, 768)]
+    plan += [run("tie-a", 1e15, 384), run("tie-b", 2e15, 768)]  # the same cost: the plan's order
+    assert queue.enqueue(study, plan) == 5
+    taken = []
+    while (t := queue.pop(study)) is not None:
+        taken.append(queue.run_id(t))
+    assert taken == ["small-narrow", "big-wide", "tie-a", "tie-b", "small-wide"]

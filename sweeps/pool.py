@@ -1,5 +1,6 @@
-"""The sweep's training processes: spawned workers with a pipe each, started when a run needs one and replaced by a
-fresh one (on the same GPU) when a run fails in them. Workers end when the sweep process dies, whatever kills it."""
+"""The sweep's training processes: spawned workers with a pipe each, started when a run needs one (or all at once,
+``Pool.start``) and replaced by a fresh one (on the same GPU) when a run fails in them. Workers end when the sweep
+process dies, whatever kills it."""
 
 from __future__ import annotations
 
@@ -91,15 +92,26 @@ class Pool:
     def free(self) -> int:
         return sum(s.key is None for s in self._slots)
 
+    def start(self) -> Pool:
+        """Spawn every slot's worker now, not at its first run: they import torch and the trainer while the caller
+        still prepares (opens the queue, plans, enqueues)."""
+        for s in self._slots:
+            if s.process is None:
+                self._spawn(s)
+        return self
+
+    def _spawn(self, s: _Slot) -> None:
+        ours, theirs = self._ctx.Pipe()
+        s.process = self._ctx.Process(target=_serve, args=(theirs, s.gpu, os.getpid()))
+        s.process.start()  # from the main thread: PR_SET_PDEATHSIG follows the thread that started the worker
+        theirs.close()  # the worker's end: the parent holds none, so the worker sees EOF when the parent dies
+        s.conn = ours
+
     def submit(self, key: Any, run: Any) -> None:
         """Start ``run`` (a RunConfig) on an idle worker; ``wait`` reports its end under ``key``."""
         s = min((s for s in self._slots if s.key is None), key=lambda s: s.process is None)  # a live one first
         if s.process is None:
-            ours, theirs = self._ctx.Pipe()
-            s.process = self._ctx.Process(target=_serve, args=(theirs, s.gpu, os.getpid()))
-            s.process.start()  # from the main thread: PR_SET_PDEATHSIG follows the thread that started the worker
-            theirs.close()  # the worker's end: the parent holds none, so the worker sees EOF when the parent dies
-            s.conn = ours
+            self._spawn(s)
         s.key = key
         try:
             s.conn.send_bytes(pickle.dumps(run))

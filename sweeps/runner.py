@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from sweeps.collect import collect_study
 from sweeps.journal import repair
 from sweeps.paths import SweepPaths
 from sweeps.plan import Trial, plan, sweep_id, table
+from sweeps.pool import Pool
 from sweeps.progress import Progress
 from sweeps.worker import Drain, slot_gpus
 
@@ -201,14 +203,26 @@ def run_isoflop(
     gpus = slot_gpus(lab.train, lab.sweep.workers, lab.sweep.workers_per_gpu)
     load_corpus(lab.data)  # fail on a bad corpus before the database is touched; fills the cache workers read
     storage = _storage(lab, paths) if lab.sweep.storage else None  # a bad URL fails before the database is made
-    with mps.serve(lab.sweep.mps, gpus) as how, results.writer(paths.db) as store:  # the one writer of this db
+    with (
+        mps.serve(lab.sweep.mps, gpus) as how,
+        results.writer(paths.db) as store,  # the one writer of this db
+        _workers(lab, gpus) as pool,
+    ):
         if how == "started":
             print(
                 f"NVIDIA MPS started for the {len(gpus)} workers: runs that share a GPU run at once"
                 " (sweep.mps=never: time-sliced)"
             )
         study = _study(lab, storage or _storage(lab, paths), meta)
-        return _run(lab, paths, store, study, meta, runs, gpus, "mps" if how in ("started", "running") else how)
+        sharing = "mps" if how in ("started", "running") else how
+        return _run(lab, paths, store, study, meta, runs, gpus, sharing, pool)
+
+
+def _workers(lab: LabConfig, gpus: list[str]):
+    """The sweep's worker processes, spawned now (under the MPS just started: their imports overlap the sweep's
+    set-up) and kept across its drains (no new processes for the sizes added to bracket optima); nothing when it
+    trains in this process (``sweep.workers`` 1)."""
+    return Pool(lab.sweep.workers, gpus).start() if lab.sweep.workers > 1 else nullcontext()
 
 
 def n_gpus(train: TrainConfig, slots: list[str]) -> int:
@@ -236,6 +250,7 @@ def _run(
     runs: dict[str, dict],
     gpus,
     sharing: str,
+    pool: Pool | None,
 ) -> int:
     sid = meta["sweep_id"]
     shared = bool(lab.sweep.storage)  # an RDB other hosts train from; the journal is this database's alone
@@ -293,6 +308,7 @@ def _run(
                     on_done=add,
                     inline=workers == 1,
                     progress=bar,
+                    pool=pool,
                 ).run()
                 with store.session() as con:
                     if shared:

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,8 @@ class Drain:
             rank 0: each run is trained in this process together with the other ranks (``pool.Ranks``).
         progress: the bar the lines of runs starting and ending are printed above; its total is set to what is
             left as runs start and end, so one bar can span several drains (the caller closes it). Default: lines only.
+        pool: worker processes the caller holds across drains (started early, kept warm between them); None: the
+            drain's own, by ``slots``, ``inline`` and ``ranks``.
     """
 
     studies: list[optuna.Study]
@@ -93,6 +96,7 @@ class Drain:
     inline: bool = False
     ranks: tuple[Any, int] | None = None
     progress: Progress = field(default_factory=lambda: Progress(shown=False))
+    pool: Pool | None = None
 
     def run(self) -> dict[str, str]:
         """Train until no run of the studies is queued or running anywhere; returns the runs given up on here:
@@ -107,13 +111,15 @@ class Drain:
             beat.start()
         self.progress.left(*self._left(running))
         try:
-            pool = Ranks(*self.ranks) if self.ranks else Inline() if self.inline else Pool(self.slots, self.gpus)
+            pool = self.pool or (
+                Ranks(*self.ranks) if self.ranks else Inline() if self.inline else Pool(self.slots, self.gpus)
+            )
             if isinstance(pool, Pool) and hasattr(signal, "SIGUSR1"):
                 # SLURM's --signal=USR1 reaches every process of the step: the training processes save and requeue
                 # (Lightning), this one must survive it (the default kills). A Python handler, not SIG_IGN: the
                 # spawned processes start with the default, where Lightning installs its own.
                 signal.signal(signal.SIGUSR1, lambda signum, frame: None)
-            with pool:
+            with nullcontext(pool) if self.pool else pool:  # the caller's pool is the caller's to end
                 try:
                     while True:
                         while pool.free and (got := self._next()):

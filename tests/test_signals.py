@@ -10,7 +10,8 @@ import pytest
 
 from mixdepth import results
 
-# Two runs in-process, the longer one second so that a signal sent two seconds into it lands inside training.
+# Two runs in-process: the queue takes the narrower (d 32, more tokens) first, then d 48, which trains long enough
+# after its start line for a signal sent half a second in to land inside training.
 GRID = [
     "sweep.archs=[dense]",
     "sweep.budgets=[3e10]",
@@ -58,7 +59,7 @@ def uninterrupted(tmp_path_factory, cli_env, val_losses):
 def test_signal_in_training_exits_130_and_resumes(tmp_path, cli, cli_env, uninterrupted, val_losses, sig):
     db = tmp_path / "results.db"
     p = start(db, "[2/2]", cli_env)
-    time.sleep(0.5)  # into the second run, which on an idle machine ends about 2 s after its start line
+    time.sleep(0.5)  # into the second run, which on an idle machine ends a few seconds after its start line
     p.send_signal(sig)
     _, err = p.communicate(timeout=120)
     assert p.returncode == 130, (p.returncode, err)
@@ -73,7 +74,7 @@ def test_signal_in_training_exits_130_and_resumes(tmp_path, cli, cli_env, uninte
         used = con.execute("SELECT runs, parts->>'interrupted' FROM sweep_usage").fetchall()
     finally:
         con.close()
-    assert [d for _, d in rows] == [48] and curves == {rows[0][0]}  # the first run whole, nothing of the second
+    assert [d for _, d in rows] == [32] and curves == {rows[0][0]}  # the first run whole, nothing of the second
     assert used == [(1, "true")]  # the stopped command's device time is kept, marked
 
     r = cli("sweeps", "isoflop", "--db", str(db), *GRID)

@@ -218,3 +218,17 @@ def test_runs_are_queued_longest_first_and_ties_keep_their_order():
     while (t := queue.pop(study)) is not None:
         taken.append(queue.run_id(t))
     assert taken == ["small-narrow", "big-wide", "tie-a", "tie-b", "small-wide"]
+
+
+def test_a_started_pool_spawns_its_workers_at_once_and_a_drain_leaves_them_to_their_owner():
+    """``Pool.start`` (the sweep, under its MPS): every worker exists before any run; a drain given the pool trains
+    with it and leaves it running, for the next drain (the sizes added to bracket optima); leaving it ends them."""
+    from sweeps.pool import Pool
+    from sweeps.worker import Drain
+
+    with Pool(2, []).start() as pool:
+        workers = [s.process for s in pool._slots]
+        assert len({w.pid for w in workers}) == 2 and all(w.is_alive() for w in workers)
+        assert Drain(studies=[optuna.create_study()], slots=2, pool=pool).run() == {}  # nothing queued
+        assert [s.process for s in pool._slots] == workers and all(w.is_alive() for w in workers)
+    assert all(w.exitcode is not None for w in workers)

@@ -203,7 +203,7 @@ def test_killing_the_sweep_leaves_no_process_behind(sweeps):
 
 
 def test_runs_are_queued_longest_first_and_ties_keep_their_order():
-    """Workers take the narrowest model of the largest budget first and end on short runs (``queue.cost``)."""
+    """Workers take the run of most training FLOPs per unit of width first and end on the least (``queue.cost``)."""
     from sweeps import queue
 
     def run(rid: str, flops: float, d: int) -> dict:
@@ -211,13 +211,13 @@ def test_runs_are_queued_longest_first_and_ties_keep_their_order():
         return {"run": {}, "row": {**row, "n_layers": 1, "seed": 0, "train_flops": flops}}
 
     study = optuna.create_study()
-    plan = [run("small-wide", 1e15, 768), run("small-narrow", 1e15, 192), run("big-wide", 4e15, 768)]
+    plan = [run("small-wide", 1e15, 768), run("small-narrow", 1e15, 192), run("big-narrow", 4e15, 192)]
     plan += [run("tie-a", 1e15, 384), run("tie-b", 2e15, 768)]  # the same cost: the plan's order
     assert queue.enqueue(study, plan) == 5
     taken = []
     while (t := queue.pop(study)) is not None:
         taken.append(queue.run_id(t))
-    assert taken == ["small-narrow", "big-wide", "tie-a", "tie-b", "small-wide"]
+    assert taken == ["big-narrow", "small-narrow", "tie-a", "tie-b", "small-wide"]
 
 
 def test_a_started_pool_spawns_its_workers_at_once_and_a_drain_leaves_them_to_their_owner():

@@ -230,6 +230,7 @@ HOST_KEYS = (
     "progress",
     "logger",
     "compile_mode",
+    "compile_scope",
     "devices",
     "num_nodes",
     "strategy",

@@ -281,3 +281,63 @@ def test_decoding_matches_forward(arch, kw):
     with pytest.raises(ValueError, match="seq_len") as e:
         model.generate(x, 2)
     assert "\n" not in str(e.value)
+
+
+# ---- compile scopes ----------------------------------------------------------------------------------------
+def compiled_step(arch: str, kw: dict, x: torch.Tensor, device: str = "cpu", **compile_kw):
+    """One loss and backward of the family at ``kw``, eager and compiled (``compile_kw``): (losses, grads) of
+    each; a parameter outside the loss's graph (an unused causal predictor) counts as a zero gradient."""
+    out = []
+    for compiled in (False, True):
+        model = build(arch, kw).to(device)
+        if compiled:
+            model.compile(**compile_kw)
+        loss = model.loss(x[:, :-1], x[:, 1:])
+        loss.backward()
+        grads = {n: torch.zeros_like(p) if p.grad is None else p.grad for n, p in model.named_parameters()}
+        out.append((loss.detach(), grads))
+    return out
+
+
+@pytest.mark.parametrize("arch", list(MODELS))
+def test_block_scope_compiles_one_graph_per_kind_of_block(arch):
+    """``compile(scope="block")`` (train.compile_scope, aot_autograd): the number of graphs does not grow with
+    depth (one per kind of block, the head; per-block recompiles would hit dynamo's limit and leave deep blocks
+    eager) and the loss and every gradient equal eager's."""
+    from torch._dynamo.utils import counters
+
+    graphs = []
+    for n_layers in (4, 8):
+        kw = dict(n_layers=n_layers, attn_impl="sdpa")
+        torch._dynamo.reset()
+        counters.clear()
+        x = tokens(build(arch, kw), 2, BASE["seq_len"] + 1)
+        (loss, grads), (c_loss, c_grads) = compiled_step(arch, kw, x, backend="aot_eager", scope="block")
+        graphs.append(counters["stats"]["unique_graphs"])
+        torch.testing.assert_close(c_loss, loss)
+        for n, g in grads.items():
+            torch.testing.assert_close(c_grads[n], g, msg=lambda m, n=n: f"{n}: {m}")
+    torch._dynamo.reset()
+    assert graphs[0] == graphs[1] > 0, graphs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Inductor with CUDA graphs needs a GPU")
+@pytest.mark.parametrize("arch", list(MODELS))
+@pytest.mark.parametrize("scope", ["model", "block"])
+def test_compiled_with_cuda_graphs_matches_eager_gpu(arch, scope):
+    """What a GPU sweep trains: Inductor + CUDA graphs (reduce-overhead) at either compile scope, fp32 (bf16
+    rounding could flip routing decisions between the two): loss and every gradient equal eager's, and no
+    partition of the step fell out of CUDA graphs."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    kw = dict(attn_impl="sdpa")
+    x = tokens(build(arch, kw), 3, BASE["seq_len"] + 1).cuda()
+    torch.compiler.cudagraph_mark_step_begin()
+    (loss, grads), (c_loss, c_grads) = compiled_step(arch, kw, x, "cuda", mode="reduce-overhead", scope=scope)
+    torch.testing.assert_close(c_loss, loss, rtol=1e-5, atol=1e-6)
+    for n, g in grads.items():
+        torch.testing.assert_close(c_grads[n], g, rtol=1e-4, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+    torch._dynamo.reset()

@@ -19,8 +19,9 @@ def use_triton(op: str, *tensors: torch.Tensor | None, supported: bool = True) -
     """Whether ``op`` runs its Triton kernels on these inputs (True) or its naive reference (False).
 
     Triton runs where it can: on CUDA tensors, and on any tensor under the interpreter (``TRITON_INTERPRET=1``
-    when the kernels were imported). A plain CPU (or no Triton installed) gets the reference, and so do inputs
-    the kernels do not support (``supported=False``: the op's own shape rule, e.g. a head dim).
+    when the kernels were imported, except in code torch.compile traces). A plain CPU (or no Triton installed) gets
+    the reference, and so do inputs the kernels do not support (``supported=False``: the op's own shape rule, e.g. a
+    head dim).
 
     Args:
         op: the public op's name, for the error message.
@@ -31,6 +32,8 @@ def use_triton(op: str, *tensors: torch.Tensor | None, supported: bool = True) -
         TypeError: a bfloat16 input under the interpreter, whose bf16 dots are wrong (Triton 3.9: rel-L2 ~1e9).
     """
     if not (HAS_TRITON and supported and (tensors[0].is_cuda or INTERPRET)):
+        return False
+    if not tensors[0].is_cuda and torch.compiler.is_compiling():  # the interpreter is numpy code dynamo cannot trace
         return False
     if INTERPRET and any(t is not None and t.dtype == torch.bfloat16 for t in tensors):
         raise TypeError(

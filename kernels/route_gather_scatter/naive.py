@@ -34,12 +34,17 @@ def flatten_index(idx: torch.Tensor, seq_len: int) -> torch.Tensor:
 
 
 def _check_range(idx: torch.Tensor, n: int) -> None:
+    if torch.compiler.is_compiling():  # a host sync would break the graph; eager calls check
+        return
     if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
         raise ValueError(f"route index out of range [0, {n}): min {int(idx.min())}, max {int(idx.max())}")
 
 
 def check_distinct(idx: torch.Tensor) -> None:
-    """Raises ValueError when a row of ``idx`` (``[B, K]`` per sequence, or ``[K]``) repeats a value (host sync)."""
+    """Raises ValueError when a row of ``idx`` (``[B, K]`` per sequence, or ``[K]``) repeats a value (host sync;
+    eager calls only, as ``_check_range``)."""
+    if torch.compiler.is_compiling():
+        return
     s = idx.sort(dim=-1).values
     if s.shape[-1] > 1 and bool((s[..., 1:] == s[..., :-1]).any()):
         raise ValueError("route indices repeat but distinct=True was passed")

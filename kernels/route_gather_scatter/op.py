@@ -60,7 +60,7 @@ def _validate(x: torch.Tensor, idx: torch.Tensor, check: bool | None, distinct: 
         raise ValueError(f"expected x [B, T, D] + idx [B, K] or x [N, D] + idx [K], got {x.shape}, {idx.shape}")
     if idx.device != x.device:
         raise ValueError(f"idx on {idx.device}, x on {x.device}")
-    if check or (check is None and not idx.is_cuda):
+    if check or (check is None and not idx.is_cuda and not torch.compiler.is_compiling()):  # compiled: no host sync
         n = x.shape[-2]
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
             raise ValueError(f"route index out of range [0, {n}): min {int(idx.min())}, max {int(idx.max())}")
@@ -147,7 +147,7 @@ def route_gather(
     Args:
         x: ``[B, T, D]`` or ``[N, D]`` floating point.
         idx: ``[B, K]`` positions per sequence, or ``[K]`` flat rows (repeats allowed); int64 (or int32).
-        check: range-check idx (ValueError); None checks CPU tensors only, True forces a host sync on CUDA.
+        check: range-check idx (ValueError); None checks eager CPU tensors only, True forces a host sync on CUDA.
         distinct: the caller promises no row repeats (per sequence when batched): fast backward, no sort or
             segments; see the module docstring for the contract.
 

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mixdepth.config import COMPILE_MODES, ConfigError, DataConfig, TrainConfig, model_options
+from mixdepth.config import COMPILE_MODES, COMPILE_SCOPES, ConfigError, DataConfig, TrainConfig, model_options
 from mixdepth.flops import train_flops
 from mixdepth.lit import LitLM, LMDataModule
 from mixdepth.models import MODELS
@@ -89,6 +89,9 @@ def bench_loop(args) -> None:
     print(f"ratio Lightning / plain = {lt / p:.3f}")
 
 
+SCOPE_HELP = "what torch.compile wraps: model (one graph), block (one graph per kind of block)"
+
+
 def synthetic_data(folder: Path, vocab: int, tokens: int, seq_len: int, val_tokens: int) -> DataConfig:
     """A .bin corpus of uniform random token ids in ``folder``: speed only, no learnable structure."""
     path = folder / "tokens.bin"
@@ -107,6 +110,7 @@ def bench_mfu(args) -> None:
             batch_size=args.batch_size,
             compile=not args.no_compile,
             compile_mode=args.compile_mode,
+            compile_scope=args.compile_scope,
             progress=False,
             log_every=50,
             lr=6e-4,
@@ -121,8 +125,8 @@ def bench_mfu(args) -> None:
             rows.append((arch, model, fit(RunConfig(model, data, train, args.steps)).metrics))
     print(
         f"d{d} L{args.n_layers} H{H} T{T} vocab {vocab} tied, batch {args.batch_size}x{T}, steps {args.steps},"
-        f" compile {not args.no_compile} (mode {args.compile_mode}), window of the last {min(100, args.steps // 2)}"
-        f" steps; device {rows[0][2].device}, precision {rows[0][2].precision}"
+        f" compile {not args.no_compile} (mode {args.compile_mode}, scope {args.compile_scope}), window of the last"
+        f" {min(100, args.steps // 2)} steps; device {rows[0][2].device}, precision {rows[0][2].precision}"
     )
     print("| arch | params | fwd FLOPs/token | tokens/s | MFU (peak FLOP/s) | speed vs first | wall s |")
     print("|---|---|---|---|---|---|---|")
@@ -207,12 +211,12 @@ def bench_compile(args) -> None:
         data = synthetic_data(Path(tmp), 256, args.tokens, T, val_tokens=T * 256)
         train = TrainConfig(
             batch_size=args.batch_size, lr=1.5e-3, accelerator=args.accelerator, compile=True,
-            compile_mode=args.compile_mode, log_every=25, progress=False,
+            compile_mode=args.compile_mode, compile_scope=args.compile_scope, log_every=25, progress=False,
         )  # fmt: skip
         print(
             f"d{d} L{L} T{T} byte vocabulary, batch {args.batch_size}x{T}, {args.steps} steps, compile mode"
-            f" {args.compile_mode}; compile = dynamo's _compile.compile_inner (the forward frame; the backward"
-            " compiles at the first backward, inside the fit wall-clock)"
+            f" {args.compile_mode}, scope {args.compile_scope}; compile = dynamo's _compile.compile_inner (the forward"
+            " frames; the backward compiles at the first backward, inside the fit wall-clock)"
         )
         print("| arch | caches | fit wall s | steady s | compile s | MFU |")
         print("|---|---|---|---|---|---|")
@@ -265,7 +269,7 @@ def bench_step(args) -> None:
         counters.clear()
         model = MODELS[arch][1](cfg).to(dev)
         if args.compile:
-            model.compile(mode=args.compile_mode)
+            model.compile(mode=args.compile_mode, scope=args.compile_scope)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         x = torch.randint(0, args.vocab, (args.batch_size, T + 1), device=dev)
 
@@ -316,7 +320,8 @@ def bench_step(args) -> None:
     print(
         f"d_model {d}, {args.n_layers} layers, {d // 64} heads, {args.kv_heads or d // 64} KV heads, T {T},"
         f" batch {args.batch_size}, vocab {args.vocab}, bf16 autocast, fused AdamW,"
-        f" compile {args.compile} (mode {args.compile_mode or 'default'}), {torch.cuda.get_device_name(0)},"
+        f" compile {args.compile} (mode {args.compile_mode or 'default'}, scope {args.compile_scope}),"
+        f" {torch.cuda.get_device_name(0)},"
         f" torch {torch.__version__}"
     )
     print(
@@ -350,6 +355,7 @@ def main() -> None:
     mp.add_argument("--batch-size", type=int, default=32)
     mp.add_argument("--no-compile", action="store_true")
     mp.add_argument("--compile-mode", default="default", choices=COMPILE_MODES)
+    mp.add_argument("--compile-scope", default="model", choices=COMPILE_SCOPES, help=SCOPE_HELP)
     mp.add_argument("--d-model", type=int, default=768)
     mp.add_argument("--n-layers", type=int, default=12)
     mp.add_argument("--seq-len", type=int, default=1024)
@@ -364,6 +370,7 @@ def main() -> None:
     cp.add_argument("--batch-size", type=int, default=32)
     cp.add_argument("--steps", type=int, default=300)
     cp.add_argument("--compile-mode", default="reduce-overhead", choices=COMPILE_MODES)
+    cp.add_argument("--compile-scope", default="model", choices=COMPILE_SCOPES, help=SCOPE_HELP)
     cp.add_argument("--tokens", type=int, default=40_000_000, help="synthetic .bin corpus size")
     cp.add_argument("--accelerator", default="gpu", choices=("gpu", "cpu"), help="cpu: a smoke run of the command")
     cp.add_argument("--set", nargs="*", default=[], help="arch.key=value model options, e.g. mod.capacity=0.125")
@@ -380,6 +387,7 @@ def main() -> None:
     sp.add_argument(
         "--compile-mode", default=None, help="torch.compile mode, e.g. reduce-overhead (CUDA graphs); default: default"
     )
+    sp.add_argument("--compile-scope", default="model", choices=COMPILE_SCOPES, help=SCOPE_HELP)
     sp.add_argument("--profile", type=int, default=0, help="print the N heaviest GPU kernels per arch")
     sp.add_argument("--set", nargs="*", default=[], help="arch.key=value model options, e.g. mod.capacity=0.125")
     dp = sub.add_parser("ddp", help="one CPU process vs several (DDP over gloo), same global batch")

@@ -80,6 +80,7 @@ class TrainConfig:
     precision: str = "auto"  # auto: 32-true on CPU, bf16-mixed on GPU; or any Lightning precision string
     compile: bool = False  # torch.compile the model (GPU presets)
     compile_mode: str = "default"  # torch.compile mode: default | reduce-overhead (CUDA graphs) | max-autotune | ...
+    compile_scope: str = "model"  # model: one graph of the whole forward | block: one per kind of block
     peak_flops: float = 0.0  # FLOP/s assumed for MFU; 0: known-device table, else MFU is not reported
     log_every: int = 10  # steps between curve points
     threads: int = 0  # torch.set_num_threads on CPU; 0 leaves PyTorch's default
@@ -263,6 +264,7 @@ PRECISIONS = ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true
 # torch.compile's modes, and those that capture CUDA graphs (their outputs live in buffers the next replay overwrites).
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+COMPILE_SCOPES = ("model", "block")  # what torch.compile wraps: the whole forward, or each kind of block
 
 # Every scalar field's range or choice, checked by load_config before any file is opened, and by load_corpus for
 # data configs built in code: key -> (check, what the value must be).
@@ -297,6 +299,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "train.accelerator": _one_of("auto", "cpu", "gpu"),
     "train.precision": _one_of(*PRECISIONS),
     "train.compile_mode": _one_of(*COMPILE_MODES),
+    "train.compile_scope": _one_of(*COMPILE_SCOPES),
     "train.peak_flops": _real(0),
     "train.log_every": _count(1),
     "train.threads": _count(0),

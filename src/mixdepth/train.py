@@ -196,7 +196,7 @@ def _fit(run: RunConfig, cache_dir: Path | None) -> RunResult:
     corpus = dm.corpus
     model = MODELS[run.model.arch][1](run.model)
     if t.compile:
-        model.compile(mode=None if t.compile_mode == "default" else t.compile_mode)
+        model.compile(mode=None if t.compile_mode == "default" else t.compile_mode, scope=t.compile_scope)
     tokens_per_batch = t.batch_size * run.data.seq_len  # the optimizer step's, over all ranks
     fpt = run.model.flops_per_token()
     lit = LitLM(model, t, run.steps, flops_per_batch=train_flops(fpt, tokens_per_batch) / world)

@@ -130,8 +130,12 @@ class DenseLM(nn.Module):
         """
         x = self.embed(idx)  # [B, T, D]
         for block in self.blocks:
-            x = block(x, self.rope)
+            x = self.layer(block, x)
         return self.head_loss(x, targets)
+
+    def layer(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """One block of the trunk: x [B, T, D] -> [B, T, D]."""
+        return block(x, self.rope)
 
     def head_loss(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Final hidden x [B, T, D] -> logits [B, T, V], or with targets [B, T] the mean next-token loss (fp32)."""
@@ -139,6 +143,19 @@ class DenseLM(nn.Module):
         if targets is None:
             return self.head(h)  # [B, T, V]
         return linear_cross_entropy(h.flatten(0, 1), self.head.weight, targets.flatten())
+
+    # What compile(scope="block") compiles: functions that take the block as an argument, so that one graph serves
+    # every block of a kind (their parameters are graph inputs); the embedding between them runs eagerly.
+    REGIONS: tuple[str, ...] = ("layer", "head_loss")
+
+    def compile(self, *args, scope: str = "model", **kwargs) -> None:
+        """torch.compile. ``scope`` 'model': the whole forward, one graph (``nn.Module.compile``); 'block': each of
+        ``REGIONS`` instead, one graph per kind of block whatever the depth, so compile time does not grow with the
+        layers (the residual stream then crosses a graph boundary at every block)."""
+        if scope == "model":
+            return super().compile(*args, **kwargs)
+        for name in self.REGIONS:
+            setattr(self, name, torch.compile(getattr(self, name), *args, **kwargs))
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The training objective: mean next-token cross-entropy (nats) in fp32 (+ aux losses in routed families)."""

@@ -222,16 +222,23 @@ class MoDLM(Decoder, DenseLM):
         x = self.embed(idx)  # [B, T, D]
         infos, stats = [], []
         for i, blk in enumerate(self.blocks):
-            c = None if cache is None else cache[i]
-            if isinstance(blk, RoutedBlock):
-                x, info = blk(x, self.rope, mode, c)
+            x, info, st = self.route_layer(blk, x, mode, None if cache is None else cache[i])
+            if info is not None:
                 infos.append(info)
-                st = info.mlp
-            else:
-                x, st = blk.forward_with(x, partial(_full_attn, attn=blk.attn, rope=self.rope, cache=c))
             if st is not None:
                 stats.append(st)
         return x, infos, stats
+
+    REGIONS = ("route_layer", "head_loss")  # compile(scope="block"): one graph for full blocks, one for routed ones
+
+    def route_layer(self, blk: nn.Module, x: torch.Tensor, mode: str, cache: KVCache | None = None):
+        """One block of the trunk: x [B, T, D] -> (x, its RouteInfo (None for a full block), its MLP's statistics
+        or None); ``cache`` (causal prefill) receives the block's K/V."""
+        if isinstance(blk, RoutedBlock):
+            x, info = blk(x, self.rope, mode, cache)
+            return x, info, info.mlp
+        x, st = blk.forward_with(x, partial(_full_attn, attn=blk.attn, rope=self.rope, cache=cache))
+        return x, None, st
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, mode: str | None = None):
         """idx [B, T] -> logits [B, T, V]; with targets [B, T], the training objective (``with_aux_losses``)."""

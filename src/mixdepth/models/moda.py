@@ -463,14 +463,15 @@ class MoDALM(Decoder, DenseLM):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         return self.head_loss(self.trunk(idx)[0], targets)
 
-    def compile(self, *args, **kwargs) -> None:
-        """torch.compile the code between attentions (``_first``, ``_between``) and the head with the loss, not
-        the whole forward: the attention of every block is an eager island (a graph break), and dynamo runs a
-        frame whose loop body breaks the graph wholly eagerly. The loop over blocks stays in Python; the compiled
-        ``_between`` is shared by all blocks (blocks are arguments, their parameters graph inputs)."""
-        self._first = torch.compile(self._first, *args, **kwargs)
-        self._between = torch.compile(self._between, *args, **kwargs)
-        self.head_loss = torch.compile(self.head_loss, *args, **kwargs)
+    REGIONS = ("_first", "_between", "head_loss")
+
+    def compile(self, *args, scope: str = "block", **kwargs) -> None:
+        """torch.compile the code between attentions (``REGIONS``: ``_first``, ``_between``, the head with the
+        loss) at either ``scope``, never the whole forward: the attention of every block is an eager island (a graph
+        break), and dynamo runs a frame whose loop body breaks the graph wholly eagerly. The loop over blocks stays
+        in Python; the compiled ``_between`` is shared by all blocks (blocks are arguments, their parameters graph
+        inputs)."""
+        super().compile(*args, scope="block", **kwargs)
 
     # ---- decoding (Decoder) -------------------------------------------------------------------------
     def new_cache(self, batch: int, max_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -207,6 +207,8 @@ class MoDLM(Decoder, DenseLM):
 
     Generation (``Decoder.generate``) runs causal routing."""
 
+    REGIONS = ("route_layer", "head_loss")  # compile(scope="block"): one graph for full blocks, one for routed ones
+
     def __init__(self, cfg: MoDConfig):
         super().__init__(cfg)
         self.route_mode = "topk"
@@ -228,8 +230,6 @@ class MoDLM(Decoder, DenseLM):
             if st is not None:
                 stats.append(st)
         return x, infos, stats
-
-    REGIONS = ("route_layer", "head_loss")  # compile(scope="block"): one graph for full blocks, one for routed ones
 
     def route_layer(self, blk: nn.Module, x: torch.Tensor, mode: str, cache: KVCache | None = None):
         """One block of the trunk: x [B, T, D] -> (x, its RouteInfo (None for a full block), its MLP's statistics

@@ -319,6 +319,8 @@ def test_block_scope_compiles_one_graph_per_kind_of_block(arch):
             torch.testing.assert_close(c_grads[n], g, msg=lambda m, n=n: f"{n}: {m}")
     torch._dynamo.reset()
     assert graphs[0] == graphs[1] > 0, graphs
+    with pytest.raises(ValueError, match="compile scope must be 'model' or 'block'"):
+        build(arch, {}).compile(scope="layer")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Inductor with CUDA graphs needs a GPU")

@@ -152,6 +152,8 @@ class DenseLM(nn.Module):
         """torch.compile. ``scope`` 'model': the whole forward, one graph (``nn.Module.compile``); 'block': each of
         ``REGIONS`` instead, one graph per kind of block whatever the depth, so compile time does not grow with the
         layers (the residual stream then crosses a graph boundary at every block)."""
+        if scope not in ("model", "block"):
+            raise ValueError(f"compile scope must be 'model' or 'block', got {scope!r}")
         if scope == "model":
             return super().compile(*args, **kwargs)
         for name in self.REGIONS:

@@ -471,7 +471,7 @@ class MoDALM(Decoder, DenseLM):
         break), and dynamo runs a frame whose loop body breaks the graph wholly eagerly. The loop over blocks stays
         in Python; the compiled ``_between`` is shared by all blocks (blocks are arguments, their parameters graph
         inputs)."""
-        super().compile(*args, scope="block", **kwargs)
+        super().compile(*args, scope="block" if scope == "model" else scope, **kwargs)
 
     # ---- decoding (Decoder) -------------------------------------------------------------------------
     def new_cache(self, batch: int, max_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

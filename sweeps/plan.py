@@ -36,15 +36,16 @@ def digest(obj: Any, n: int = 12) -> str:
 
 # Keys that change how a sweep is shown, scheduled or fitted, never what a run trains to: not part of its identity,
 # so changing one resumes the same sweep and reuses every stored run (sweep.max_extra: how many sizes the sweep may
-# add to bracket an optimum; raising it resumes the sweep and adds more; train.compile_mode and compile_scope: the
-# same model compiled for speed, with CUDA graphs, autotuned matmuls or per block, which can move results only by
-# last bits as another GPU would).
+# add to bracket an optimum; raising it resumes the sweep and adds more; train.compile_mode, compile_scope and
+# graph_step: the same model compiled for speed, with CUDA graphs, autotuned matmuls, per block or as one graph of
+# the step, which can move results only by last bits as another GPU would).
 NOT_IDENTITY = {
     "train": (
         "progress",
         "logger",
         "compile_mode",
         "compile_scope",
+        "graph_step",
         "devices",
         "num_nodes",
         "strategy",

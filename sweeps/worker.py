@@ -231,6 +231,7 @@ HOST_KEYS = (
     "logger",
     "compile_mode",
     "compile_scope",
+    "graph_step",
     "devices",
     "num_nodes",
     "strategy",

@@ -16,13 +16,22 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from mixdepth.config import COMPILE_MODES, COMPILE_SCOPES, ConfigError, DataConfig, TrainConfig, model_options
+from mixdepth.config import (
+    COMPILE_MODES,
+    COMPILE_SCOPES,
+    CUDA_GRAPH_MODES,
+    ConfigError,
+    DataConfig,
+    TrainConfig,
+    model_options,
+)
 from mixdepth.flops import train_flops
 from mixdepth.lit import LitLM, LMDataModule
 from mixdepth.models import MODELS
@@ -115,18 +124,24 @@ def bench_mfu(args) -> None:
             log_every=50,
             lr=6e-4,
         )
+        # --graph-step: each arch again with the step as one CUDA graph (Inductor without graphs of its own)
+        mode = "default" if args.compile_mode in CUDA_GRAPH_MODES else args.compile_mode
+        graphed = replace(train, compile_mode=mode, graph_step=True)
+        trains = [("", train)] + [(" +graph_step", graphed)] * args.graph_step
         rows = []
         for arch in args.archs.split(","):
             model = MODELS[arch][0](
                 arch=arch, d_model=d, n_layers=args.n_layers, n_heads=H, n_kv_heads=H, seq_len=T, vocab_size=vocab,
                 tie_embeddings=True, **step_options(arch, args.set),
             )  # fmt: skip
-            torch._dynamo.reset()
-            rows.append((arch, model, fit(RunConfig(model, data, train, args.steps)).metrics))
+            for label, t in trains:
+                torch._dynamo.reset()
+                rows.append((arch + label, model, fit(RunConfig(model, data, t, args.steps)).metrics))
     print(
         f"d{d} L{args.n_layers} H{H} T{T} vocab {vocab} tied, batch {args.batch_size}x{T}, steps {args.steps},"
         f" compile {not args.no_compile} (mode {args.compile_mode}, scope {args.compile_scope}), window of the last"
         f" {min(100, args.steps // 2)} steps; device {rows[0][2].device}, precision {rows[0][2].precision}"
+        + (f"; +graph_step: train.graph_step=true, compile mode {mode}" if args.graph_step else "")
     )
     print("| arch | params | fwd FLOPs/token | tokens/s | MFU (peak FLOP/s) | speed vs first | wall s |")
     print("|---|---|---|---|---|---|---|")
@@ -356,6 +371,7 @@ def main() -> None:
     mp.add_argument("--no-compile", action="store_true")
     mp.add_argument("--compile-mode", default="default", choices=COMPILE_MODES)
     mp.add_argument("--compile-scope", default="model", choices=COMPILE_SCOPES, help=SCOPE_HELP)
+    mp.add_argument("--graph-step", action="store_true", help="each arch also with train.graph_step (compile default)")
     mp.add_argument("--d-model", type=int, default=768)
     mp.add_argument("--n-layers", type=int, default=12)
     mp.add_argument("--seq-len", type=int, default=1024)

@@ -81,6 +81,7 @@ class TrainConfig:
     compile: bool = False  # torch.compile the model (GPU presets)
     compile_mode: str = "default"  # torch.compile mode: default | reduce-overhead (CUDA graphs) | max-autotune | ...
     compile_scope: str = "model"  # model: one graph of the whole forward | block: one per kind of block
+    graph_step: bool = False  # one GPU: forward, backward and clipping replay one CUDA graph (mixdepth.graphs)
     peak_flops: float = 0.0  # FLOP/s assumed for MFU; 0: known-device table, else MFU is not reported
     log_every: int = 10  # steps between curve points
     threads: int = 0  # torch.set_num_threads on CPU; 0 leaves PyTorch's default
@@ -339,11 +340,34 @@ def micro_batch(t: TrainConfig) -> int:
     return t.batch_size // world
 
 
+def check_graph_step(t: TrainConfig, accelerator: str) -> None:
+    """What ``train.graph_step`` needs: a GPU, one device, a compile mode without CUDA graphs of its own, no fp16
+    loss scaling. ``accelerator``: the train config's (``auto`` passes) or the one resolved on the host.
+
+    Raises:
+        ConfigError: one line naming the key in conflict.
+    """
+    if not t.graph_step:
+        return
+    if accelerator == "cpu":
+        raise ConfigError("train.graph_step=true captures CUDA graphs: it needs a GPU (train.accelerator=gpu)")
+    if t.devices * t.num_nodes > 1:
+        raise ConfigError("train.graph_step=true trains on one device (DDP's and FSDP's hooks are not captured)")
+    if t.compile and t.compile_mode in CUDA_GRAPH_MODES:
+        raise ConfigError(
+            f"train.graph_step=true captures the whole step: train.compile_mode={t.compile_mode} captures graphs"
+            " of its own; use default or max-autotune-no-cudagraphs"
+        )
+    if t.precision == "16-mixed":
+        raise ConfigError("train.graph_step=true does not scale fp16 gradients; use train.precision=bf16-mixed")
+
+
 def _validate(lab: LabConfig, families: list[str]) -> None:
     s = lab.sweep
     for section in ("sweep", "data", "train"):
         check_rules(section, getattr(lab, section))
     micro_batch(lab.train)
+    check_graph_step(lab.train, lab.train.accelerator)
     if lab.train.strategy == "fsdp" and lab.train.accelerator == "cpu":  # auto: launch.check_devices, on the host
         raise ConfigError(FSDP_CPU)
     if not s.archs:

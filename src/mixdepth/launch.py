@@ -39,7 +39,7 @@ from lightning.fabric.plugins.environments import (
 )
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
-from mixdepth.config import FSDP_CPU, ConfigError, TrainConfig, check_rules, micro_batch
+from mixdepth.config import FSDP_CPU, ConfigError, TrainConfig, check_graph_step, check_rules, micro_batch
 
 R = TypeVar("R")
 
@@ -126,9 +126,9 @@ def check_devices(t: TrainConfig) -> None:
 
     Raises:
         ConfigError: one line naming the key: a RULES violation (e.g. an unknown strategy), a batch that does not
-            split over the ranks, more devices than present, FSDP on the CPU, a launcher that started another
-            number of ranks than ``devices * num_nodes``, ``num_nodes > 1`` with no launcher, or a logger whose
-            package is missing.
+            split over the ranks, more devices than present, FSDP on the CPU, ``train.graph_step`` where it cannot
+            capture (``config.check_graph_step``), a launcher that started another number of ranks than
+            ``devices * num_nodes``, ``num_nodes > 1`` with no launcher, or a logger whose package is missing.
     """
     check_rules("train", t)
     micro_batch(t)
@@ -145,6 +145,7 @@ def check_devices(t: TrainConfig) -> None:
         raise ConfigError(f"train.devices={t.devices} but this host has {present} {what}")
     if t.strategy == "fsdp" and accelerator == "cpu":
         raise ConfigError(FSDP_CPU)
+    check_graph_step(t, accelerator)
     world, c = t.devices * t.num_nodes, cluster()
     if c.external and c.world_size != world:
         raise ConfigError(

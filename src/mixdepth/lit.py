@@ -21,6 +21,7 @@ from torch.utils.data import BatchSampler, DataLoader
 from mixdepth.checkpoints import STATE, model_spec, rng_state, set_rng_state
 from mixdepth.config import CUDA_GRAPH_MODES, DataConfig, DataError, TrainConfig
 from mixdepth.data import Corpus, ShardedBatchSampler, TokenWindows, as_batch, load_corpus
+from mixdepth.graphs import StepGraph
 
 
 def lr_lambda(step: int, total: int, warmup: int, min_ratio: float) -> float:
@@ -32,7 +33,11 @@ def lr_lambda(step: int, total: int, warmup: int, min_ratio: float) -> float:
 
 
 class LitLM(L.LightningModule):
-    """Wraps an LM exposing ``loss(x, y)``; records a training curve every ``log_every`` steps."""
+    """Wraps an LM exposing ``loss(x, y)``; records a training curve every ``log_every`` steps.
+
+    With ``train.graph_step`` the step's forward, backward and clipping replay one CUDA graph (``StepGraph``) and
+    the optimizer and schedule step here (Lightning's manual optimization); otherwise Lightning runs them.
+    """
 
     def __init__(self, model: nn.Module, train: TrainConfig, max_steps: int, flops_per_batch: float):
         super().__init__()
@@ -47,14 +52,19 @@ class LitLM(L.LightningModule):
         self.resumed_step = 0  # the optimizer step this process resumed at
         self._rng: dict | None = None  # the checkpoint's random streams, until training starts
         self._step_rng: tuple[int, dict] | None = None  # (global step, streams) as the current training step began
+        self.step_graph = StepGraph(model, train.grad_clip) if train.graph_step else None
+        self.automatic_optimization = self.step_graph is None
 
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor | None:
         x, y = batch  # [B, T], [B, T]
-        graphs = self._begin_graph_step()
-        loss = self.model.loss(x, y)
-        if graphs:
-            loss = loss.clone()  # the graph's output buffer is overwritten by the next replay; Lightning keeps the loss
         step = self.global_step + 1
+        if self.step_graph is not None:
+            loss = self.step_graph.step(x, y)  # a buffer of the graph: read below, not returned to Lightning
+        else:
+            graphs = self._begin_graph_step()
+            loss = self.model.loss(x, y)
+            if graphs:
+                loss = loss.clone()  # the graph's output buffer is overwritten by the next replay; Lightning keeps it
         if step % self.cfg.log_every == 0 or step == self.max_steps or step == 1:
             # the global batch's mean loss: ranks hold equal token counts, so the mean of their means
             value = self.trainer.strategy.reduce(loss.detach().float(), reduce_op="mean").item()
@@ -71,6 +81,10 @@ class LitLM(L.LightningModule):
             )
             self.log("loss", value, prog_bar=True, on_step=True, logger=False)
             self._to_loggers({"train_loss": value, "lr": lr}, step)
+        if self.step_graph is not None:  # after the curve point: it reads this step's lr and step count
+            self.optimizers().step()
+            self.lr_schedulers().step()
+            return None
         return loss
 
     def _begin_graph_step(self) -> bool:
@@ -152,8 +166,8 @@ class LitLM(L.LightningModule):
         # Clipping here rather than through Trainer(gradient_clip_val): Lightning refuses that with fused
         # AdamW under mixed precision, although bf16 has no grad scaler (grads are already unscaled here), and
         # refuses norm clipping under FSDP. There each rank holds a shard: only the root FSDP module's
-        # clip_grad_norm_ takes the norm over all of them.
-        if self.cfg.grad_clip > 0:
+        # clip_grad_norm_ takes the norm over all of them. A step graph has clipped already.
+        if self.cfg.grad_clip > 0 and self.step_graph is None:
             wrapped = self.trainer.strategy.model
             if isinstance(wrapped, FullyShardedDataParallel):
                 wrapped.clip_grad_norm_(self.cfg.grad_clip)

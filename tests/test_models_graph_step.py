@@ -1,0 +1,108 @@
+"""``train.graph_step``: the step's forward, backward and clipping as one CUDA graph (mixdepth.graphs.StepGraph).
+
+GPU: every family's steps replayed from the graph equal the eager steps (losses and the parameters after each
+AdamW update, in fp32 and under bf16 autocast), and ``train.fit`` with it trains the run the eager trainer trains.
+CPU: the configs it cannot capture are refused in one line before anything trains.
+"""
+
+import pytest
+import torch
+
+from mixdepth.config import ConfigError, DataConfig, TrainConfig, check_graph_step
+from mixdepth.graphs import StepGraph
+from mixdepth.launch import check_devices
+from mixdepth.models import MODELS
+from mixdepth.train import RunConfig, fit
+from tests.test_models_contract import BASE, CASES, build, tokens
+
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+STEPS = 8  # 3 eager warm-up steps, the capture, 4 more replays
+
+
+def train_steps(arch: str, kw: dict, graphed: bool, bf16: bool):
+    """STEPS steps of AdamW on fresh batches, the gradients from a StepGraph or eagerly: (losses, parameters)."""
+    model = build(arch, kw).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    graph = StepGraph(model, grad_clip=0.5) if graphed else None
+    losses = []
+    for i in range(STEPS):
+        x = tokens(model, 3, BASE["seq_len"] + 1, seed=i).cuda()
+        with torch.autocast("cuda", torch.bfloat16, enabled=bf16):
+            if graph is not None:
+                loss = graph.step(x[:, :-1], x[:, 1:])
+            else:
+                model.zero_grad(set_to_none=True)
+                loss = model.loss(x[:, :-1], x[:, 1:])
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        losses.append(loss.float().item())
+        opt.step()
+    return torch.tensor(losses), {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@GPU
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("arch", "kw"), CASES, ids=[f"{a}-{'-'.join(map(str, k.values()))}" for a, k in CASES])
+def test_replayed_steps_equal_eager_steps_gpu(arch, kw, bf16):
+    """The replays run the kernels the eager steps run, on the same inputs: losses and every parameter after the
+    updates agree to rounding (the gradients reach the optimizer through .grad, clipped inside the graph)."""
+    kw = {**kw, "attn_impl": kw.get("attn_impl", "sdpa")}
+    want_loss, want = train_steps(arch, kw, graphed=False, bf16=bf16)
+    got_loss, got = train_steps(arch, kw, graphed=True, bf16=bf16)
+    tol = dict(rtol=2e-3, atol=2e-3) if bf16 else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_loss, want_loss, **tol)
+    for n, p in want.items():
+        torch.testing.assert_close(got[n], p, **tol, msg=lambda m, n=n: f"{n}: {m}")
+
+
+@GPU
+@pytest.mark.parametrize("arch", list(MODELS))
+def test_fit_with_graph_step_trains_the_eager_run_gpu(arch, tmp_path):
+    """Through train.fit (Lightning's manual optimization, bf16, compiled per block): the curve and the held-out
+    loss of the run trained with the step graph are the eager trainer's."""
+    model = MODELS[arch][0](arch=arch, d_model=64, n_layers=4, n_heads=2, n_kv_heads=2, seq_len=64, vocab_size=256)
+    data = DataConfig(max_bytes=300_000, val_tokens=4096, seq_len=64)
+    base = dict(batch_size=8, accelerator="gpu", compile=True, compile_scope="block", log_every=5, progress=False)
+    runs = [fit(RunConfig(model, data, TrainConfig(**base, graph_step=g), 30)) for g in (False, True)]
+    (eager, graphed) = runs
+    assert [p["step"] for p in graphed.curve] == [p["step"] for p in eager.curve] == [1, 5, 10, 15, 20, 25, 30]
+    assert [p["lr"] for p in graphed.curve] == [p["lr"] for p in eager.curve]
+    got = torch.tensor([p["train_loss"] for p in graphed.curve])
+    want = torch.tensor([p["train_loss"] for p in eager.curve])
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+    assert graphed.metrics.val_loss == pytest.approx(eager.metrics.val_loss, abs=2e-3)
+    assert want[-1] < want[0] - 0.5  # it learned: the comparison is not of two untrained models
+
+
+@pytest.mark.parametrize(
+    ("overrides", "says"),
+    [
+        (dict(accelerator="cpu"), "needs a GPU"),
+        (dict(accelerator="gpu", devices=2), "one device"),
+        (dict(accelerator="gpu", compile=True, compile_mode="reduce-overhead"), "compile_mode=reduce-overhead"),
+        (dict(accelerator="gpu", precision="16-mixed"), "fp16"),
+    ],
+)
+def test_configs_it_cannot_capture_are_refused(overrides, says):
+    t = TrainConfig(graph_step=True, **overrides)
+    with pytest.raises(ConfigError, match=says) as e:
+        check_graph_step(t, t.accelerator)
+    assert "\n" not in str(e.value) and "train.graph_step" in str(e.value)
+    check_graph_step(TrainConfig(**overrides), overrides["accelerator"])  # without graph_step: no objection
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a host without a GPU")
+def test_graph_step_on_a_host_without_a_gpu_is_refused_before_training():
+    with pytest.raises(ConfigError, match="needs a GPU"):
+        check_devices(TrainConfig(graph_step=True))  # accelerator auto resolves to the CPU here
+
+
+def test_sweep_with_a_graph_step_it_cannot_capture_stops_at_load_time(tmp_path, capsys):
+    """Exit 2, one line naming the key, nothing written where the sweep would keep its store and queue."""
+    from sweeps.__main__ import main
+
+    db = str(tmp_path / "results.db")
+    assert main(["isoflop", "--db", db, "train.graph_step=true", "train.accelerator=cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: train.graph_step=true captures CUDA graphs: it needs a GPU (train.accelerator=gpu)"]
+    assert list(tmp_path.iterdir()) == []

@@ -11,7 +11,8 @@ end with the lower loss; a single size gives no side, and nothing is added.
 
 Candidates extend the edge's shape (the smallest or largest sampled one): its layer count and heads, d_model in
 steps of 2 * n_heads (even head widths, for RoPE) out to half or twice the edge's d_model, each a shape the family
-accepts, not the dense model (``same_as_dense``), training at least ``sweep.min_steps`` steps, and not run before.
+accepts, not the dense model (``same_as_dense``), training at least ``sweep.min_steps`` steps, and not run before
+(``sweep.max_steps`` bounds only the plan: a smaller size the losses ask for is added however long it trains).
 
 Deterministic and resumable: the proposal study lives in memory, rebuilt from the database's rows (the record)
 each time, its sampler seeded by the sweep, the arch, the budget and how many sizes were added there before; a size

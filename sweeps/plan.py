@@ -108,8 +108,8 @@ def seeds_at(lab: LabConfig, budget: float) -> range:
 
 
 def plan(lab: LabConfig, sid: str) -> tuple[list[Trial], list[str]]:
-    """All grid points that train at least sweep.min_steps steps (each with its seeds), and notes on those left
-    out."""
+    """All grid points that train at least ``sweep.min_steps`` steps and at most ``sweep.max_steps`` (each with its
+    seeds), and notes on those left out."""
     s, t = lab.sweep, lab.train
     tokens_per_step = t.batch_size * lab.data.seq_len
     trials, notes = [], []
@@ -129,18 +129,28 @@ def plan(lab: LabConfig, sid: str) -> tuple[list[Trial], list[str]]:
             kept = []
             for shape, m in models:
                 trial = point(lab, sid, arch, budget, shape, m, t.seed)
-                if trial.steps < s.min_steps:
+                if trial.steps < s.min_steps or 0 < s.max_steps < trial.steps:
+                    bound = (
+                        f"< sweep.min_steps={s.min_steps}"
+                        if trial.steps < s.min_steps
+                        else f"> sweep.max_steps={s.max_steps}"
+                    )
                     notes.append(
-                        f"{arch} C={budget:.2e} d={shape.d_model} L={shape.n_layers}: {trial.steps} steps"
-                        f" < sweep.min_steps={s.min_steps}, left out"
+                        f"{arch} C={budget:.2e} d={shape.d_model} L={shape.n_layers}: {trial.steps} steps {bound},"
+                        " left out"
                     )
                     continue
                 kept.append((shape, m, trial))
             if not kept:
                 need = min(train_flops(m.flops_per_token(), s.min_steps * tokens_per_step) for _, m in models)
+                if budget < need:
+                    raise ConfigError(
+                        f"budget {budget:.3g} FLOPs is below the smallest {arch} model's cost"
+                        f" ({need:.3g} FLOPs for sweep.min_steps={s.min_steps} steps)"
+                    )
                 raise ConfigError(
-                    f"budget {budget:.3g} FLOPs is below the smallest {arch} model's cost"
-                    f" ({need:.3g} FLOPs for sweep.min_steps={s.min_steps} steps)"
+                    f"no sweep.ladder size of {arch} trains between sweep.min_steps={s.min_steps} and"
+                    f" sweep.max_steps={s.max_steps} steps at budget {budget:.3g} FLOPs"
                 )
             trials += [trial for _, _, trial in kept]
             for seed in seeds_at(lab, budget)[1:]:  # the repeats after the budget's first pass

@@ -190,6 +190,7 @@ def test_report_folder_holding_the_store_is_refused(cli, db):
         ("train.peak_flops=-1", "train.peak_flops"),
         ("train.lr=inf", "train.lr"),
         ("sweep.min_steps=0", "sweep.min_steps"),
+        ("sweep.max_steps=-1", "sweep.max_steps"),
         ("sweep.retries=-1", "sweep.retries"),
         ("sweep.mps=off", "sweep.mps"),  # YAML reads off as false: the choices are auto, always, never
         ("sweep.archs=[]", "sweep.archs"),

@@ -94,6 +94,24 @@ def test_shapes_where_a_family_is_the_dense_model_are_left_out():
         plan(lab, "sid")
 
 
+def test_max_steps_leaves_out_the_sizes_that_would_train_longer():
+    """sweep.max_steps bounds the plan from the other side than min_steps: the smallest sizes at the largest budgets
+    (far below the optimum) are left out with a note; a window no size fits is one line naming both keys."""
+    from sweeps.plan import plan
+
+    base = ["sweep.archs=[dense]", "sweep.budgets=[1e11,4e11]", "sweep.min_steps=1"]
+    lab = load_config(CONF, "isoflop", base)
+    full, _ = plan(lab, "sid")
+    cap = sorted(t.steps for t in full)[-2]  # all but the longest run
+    trials, notes = plan(load_config(CONF, "isoflop", [*base, f"sweep.max_steps={cap}"]), "sid")
+    left = {t.run_id for t in full} - {t.run_id for t in trials}
+    assert len(left) == 1 and max(t.steps for t in full if t.run_id in left) > cap
+    assert all(t.steps <= cap for t in trials) and len(trials) == len(full) - 1
+    assert sum(f"> sweep.max_steps={cap}, left out" in n for n in notes) == 1
+    with pytest.raises(ConfigError, match="between sweep.min_steps=1 and sweep.max_steps=1 steps"):
+        plan(load_config(CONF, "isoflop", [*base, "sweep.max_steps=1"]), "sid")
+
+
 def test_bench_set_options_are_typed_like_overrides():
     from mixdepth.bench import step_options
 

@@ -110,6 +110,7 @@ class SweepConfig:
     budgets: list[float] = field(default_factory=lambda: [1e12])  # training FLOPs C per grid point
     ladder: list[Shape] = field(default_factory=list)  # model sizes tried at every budget
     min_steps: int = 20  # grid points that would train fewer steps are left out of the plan
+    max_steps: int = 0  # grid points that would train more steps are left out (sizes far below the optimum); 0: none
     max_extra: int = 2  # sizes added per (arch, budget) whose isoFLOP vertex lies outside the sampled ones; 0: none
     seeds: int = 1  # each grid point trained with train.seed, train.seed + 1, ..., train.seed + seeds - 1
     seed_budgets: list[float] = field(default_factory=list)  # the budgets repeated with other seeds; []: all
@@ -272,6 +273,7 @@ COMPILE_SCOPES = ("model", "block")  # what torch.compile wraps: the whole forwa
 RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "sweep.name": (_is_name, NAME_RULE),  # a label in the store and the reports, never a path
     "sweep.min_steps": _count(1),
+    "sweep.max_steps": _count(0),
     "sweep.max_extra": _count(0),
     "sweep.seeds": _count(1),
     "sweep.workers": _count(1),

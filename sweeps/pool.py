@@ -51,15 +51,26 @@ def _serve(conn: Connection, gpu: str | None, parent: int) -> None:
     threading.Thread(target=_read, args=(conn, jobs), daemon=True).start()
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu  # before torch, let alone CUDA, starts
-    from mixdepth.train import fit
-
     while True:
         run = pickle.loads(jobs.get())
         try:
-            reply = ("ok", fit(run))
+            reply = ("ok", fit_fresh(run))
         except Exception as e:  # e.g. torch.OutOfMemoryError; SystemExit ends the worker, reported as its death
             reply = ("error", _first_line(e))
         conn.send(reply)
+
+
+def fit_fresh(run: Any) -> Any:
+    """``train.fit`` in a process that lives across runs (a worker, the sweep's own, a launch's other ranks): first
+    forget the frames compiled for earlier runs' models. Dynamo keeps 8 compiled variants per function
+    (``recompile_limit``) and runs every later shape of it eagerly: a worker's ninth shape of a block would train
+    uncompiled. Inductor's on-disk caches still serve shapes seen before."""
+    import torch
+
+    from mixdepth.train import fit
+
+    torch._dynamo.reset()
+    return fit(run)
 
 
 @dataclass
@@ -177,10 +188,8 @@ class Inline:
         self._job = (key, run)
 
     def wait(self, timeout: float | None = None) -> tuple[Any, Any, None]:
-        from mixdepth.train import fit
-
         (key, run), self._job = self._job, None
-        return key, fit(run), None
+        return key, fit_fresh(run), None
 
 
 class Ranks(Inline):
@@ -211,11 +220,9 @@ class Ranks(Inline):
 def follow(store) -> int:
     """A rank other than 0 of a ``Ranks`` launch: train each run rank 0 hands over until it says none is left;
     returns how many."""
-    from mixdepth.train import fit
-
     k = 0
     while data := store.get(f"run{k}"):
-        fit(pickle.loads(data))
+        fit_fresh(pickle.loads(data))
         k += 1
     store.add("left", 1)
     return k

@@ -232,3 +232,32 @@ def test_a_started_pool_spawns_its_workers_at_once_and_a_drain_leaves_them_to_th
         assert Drain(studies=[optuna.create_study()], slots=2, pool=pool).run() == {}  # nothing queued
         assert [s.process for s in pool._slots] == workers and all(w.is_alive() for w in workers)
     assert all(w.exitcode is not None for w in workers)
+
+
+def test_a_worker_compiles_each_run_afresh_past_dynamo_recompile_limit(monkeypatch):
+    """A worker lives across runs of many shapes; dynamo keeps 8 compiled variants of a function and runs later
+    shapes eagerly. Each run starts from a reset compiler, so the tenth shape of the same block still compiles."""
+    import torch
+
+    import mixdepth.train
+    from sweeps.pool import fit_fresh
+
+    compiled = []
+
+    def backend(gm, example_inputs):
+        compiled.append(example_inputs[0].shape[-1])
+        return gm.forward
+
+    def block(x):
+        return torch.nn.functional.silu(x) * 2
+
+    def fake_fit(width):  # what a run does to the same block code: compile it at this run's width
+        return torch.compile(block, backend=backend, dynamic=False)(torch.ones(2, width))
+
+    monkeypatch.setattr(mixdepth.train, "fit", fake_fit)
+    limit = torch._dynamo.config.recompile_limit
+    widths = list(range(8, 8 + 2 * limit + 2))
+    for w in widths:
+        assert torch.equal(fit_fresh(w), torch.nn.functional.silu(torch.ones(2, w)) * 2)
+    assert compiled == widths
+    torch._dynamo.reset()

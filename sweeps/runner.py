@@ -277,12 +277,13 @@ def _run(
         if used.runs:
             measured.append(used.row(interrupted=interrupted))
             with store.session() as con:
-                results.add_usage(con, measured[-1])
+                results.put_usage(con, measured[-1])
 
     def add(_study, row: dict, res) -> None:
         with store.session() as con:
             results.add_run(con, {**row, **asdict(res.metrics)}, res.curve)
-        used.add(res.metrics, row["tokens"], row["train_flops"], 1 - res.resumed_step / row["steps"])
+            used.add(res.metrics, row["tokens"], row["train_flops"], 1 - res.resumed_step / row["steps"])
+            results.put_usage(con, used.row(interrupted=True))  # until the report: a killed command keeps its time
 
     workers = lab.sweep.workers
     host = {}

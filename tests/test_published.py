@@ -9,7 +9,7 @@ import pytest
 from analysis.__main__ import main
 from analysis.pipeline import OUTPUT_NAMES
 from analysis.synthetic import fake_runs
-from mixdepth.results import add_run, add_sweep, add_usage, connect
+from mixdepth.results import add_run, add_sweep, connect, put_usage
 from mixdepth.usage import PARTS
 
 PROVENANCE = {"planned": 30, "version": "0.9", "commit": "abc1234", "command": "python3 -m sweeps isoflop --preset x"}
@@ -31,7 +31,7 @@ def store(tmp_path):
                                for s in (1, 2)])  # fmt: skip
     for row in fake_runs("other", "dense", budgets=(1e15,), sizes_per_budget=3):
         add_run(con, row, [{"step": 1, "tokens": 10, "flops": 1.0, "train_loss": 5.0, "lr": 1e-3}])
-    add_usage(con, {
+    put_usage(con, {
         "sweep_id": "s1", "started_at": dt.datetime(2026, 12, 2, 17, 39), "wall_s": 300.0, "gpus": 1,
         "peak_flops": 9.895e14, "train_flops": 4e16, "runs": 30, "utilisation": 0.133,
         "parts": {**dict.fromkeys(PARTS, 300.0 / len(PARTS)), "sharing": "mps"},

@@ -100,3 +100,29 @@ def test_kill_9_then_rerun_resumes_and_counts_only_started_attempts(
     assert val_losses(db) == uninterrupted
     row = status_row(cli("sweeps", "status", "--db", str(db)).stdout, "isoflop-cpu")
     assert [row[k] for k in ("planned", "ok", "diverged", "failed attempts")] == ["2", "2", "0", "1"]
+
+
+def test_a_command_killed_outright_keeps_its_device_time_up_to_its_last_run(tmp_path, cli, cli_env):
+    """SIGKILL leaves no handler to run: the usage row written as the first run ended stays, marked interrupted,
+    and the rerun adds its own, so the sweep's utilisation pools both commands' wall-clock."""
+    db = tmp_path / "results.db"
+    p = start(db, "[2/2]", cli_env, stderr=subprocess.DEVNULL)  # the first run is stored by now
+    p.kill()
+    p.wait(timeout=30)
+    con = results.connect(db, read_only=True)
+    try:
+        (killed,) = con.execute("SELECT runs, wall_s, parts->>'interrupted' FROM sweep_usage").fetchall()
+    finally:
+        con.close()
+    assert killed[0] == 1 and killed[1] > 0 and killed[2] == "true"
+
+    r = cli("sweeps", "isoflop", "--db", str(db), *GRID)
+    assert r.returncode == 0, r.stderr
+    con = results.connect(db, read_only=True)
+    try:
+        rows = con.execute("SELECT runs, parts->>'interrupted' FROM sweep_usage ORDER BY started_at").fetchall()
+        ((_, wall, commands),) = results.sweep_utilisation(con).values()
+    finally:
+        con.close()
+    assert rows == [(1, "true"), (1, "false")]
+    assert commands == 2 and wall > killed[1]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -68,15 +69,16 @@ def test_cpu_has_no_utilisation_but_says_where_time_went():
 
 def test_sweep_utilisation_pools_the_commands_of_a_sweep(tmp_path):
     con = results.connect(tmp_path / "u.db")
-    for wall, flops in ((100.0, 2e16), (300.0, 1e17)):
-        row = {"sweep_id": "a", "wall_s": wall, "gpus": 1, "peak_flops": 1e15, "train_flops": flops, "runs": 3}
-        results.add_usage(con, {**row, "utilisation": flops / wall / 1e15, "parts": {}})
-    results.add_usage(con, {"sweep_id": "b", "wall_s": 5.0, "gpus": 0, "train_flops": 1e9, "runs": 1, "parts": {}})
+    for k, wall, flops in ((1, 100.0, 2e16), (2, 300.0, 1e17)):
+        row = {"sweep_id": "a", "started_at": dt.datetime(2026, 1, k), "wall_s": wall, "gpus": 1, "peak_flops": 1e15,
+               "train_flops": flops, "runs": 3}  # fmt: skip
+        results.put_usage(con, {**row, "utilisation": flops / wall / 1e15, "parts": {}})
+    results.put_usage(con, {"sweep_id": "b", "wall_s": 5.0, "gpus": 0, "train_flops": 1e9, "runs": 1, "parts": {}})
     got = results.sweep_utilisation(con)
     assert got["a"][0] == pytest.approx(1.2e17 / (400 * 1e15)) and got["a"][1:] == (400.0, 2)
     assert got["b"] == (None, 5.0, 1)
     with pytest.raises(results.StoreError, match="unknown sweep_usage columns"):
-        results.add_usage(con, {"sweep_id": "a", "mfu": 0.5})
+        results.put_usage(con, {"sweep_id": "a", "mfu": 0.5})
     con.close()
 
 

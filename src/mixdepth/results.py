@@ -511,10 +511,16 @@ USAGE_COLUMNS = (
 )  # fmt: skip
 
 
-def add_usage(con: duckdb.DuckDBPyConnection, row: Mapping[str, Any]) -> None:
-    """Record one sweep command's use of its devices (``sweeps.usage``): one row per command that trained."""
+def put_usage(con: duckdb.DuckDBPyConnection, row: Mapping[str, Any]) -> None:
+    """Record one sweep command's use of its devices (``sweeps.usage``): one row per command that trained, keyed by
+    its sweep and start; a later row of the same command replaces the earlier (a sweep writes one as each run
+    ends, so a command killed outright keeps its device time up to its last finished run)."""
     if unknown := set(row) - set(USAGE_COLUMNS):
         raise StoreError(f"unknown sweep_usage columns: {sorted(unknown)}")
+    con.execute(
+        "DELETE FROM sweep_usage WHERE sweep_id IS NOT DISTINCT FROM ? AND started_at IS NOT DISTINCT FROM ?",
+        [row.get("sweep_id"), row.get("started_at")],
+    )
     con.execute(
         f"INSERT INTO sweep_usage ({', '.join(USAGE_COLUMNS)}) VALUES ({', '.join('?' * len(USAGE_COLUMNS))})",
         [_json(row.get(c)) for c in USAGE_COLUMNS],

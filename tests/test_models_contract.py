@@ -14,6 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from kernels.grouped_mlp import grouped_swiglu_naive
 from kernels.linear_ce import linear_cross_entropy_naive
+from kernels.testing import assert_close
 from mixdepth.models import MODELS
 from mixdepth.models import dense as dense_module
 from mixdepth.models import moe as moe_module
@@ -226,6 +227,38 @@ def test_training_steps(arch, kw):
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
     assert torch.isfinite(model.loss(x[:, :-1], x[:, 1:]))
     assert summary(model, x[:, :-1], x[:, 1:])["val_loss"] > 0
+
+
+@pytest.mark.parametrize("arch,kw", CASES, ids=ids(CASES))
+def test_residual_stream_in_autocast_dtype(arch, kw):
+    """``residual='autocast'``: under autocast (bf16 on a GPU, fp16 on the CPU, whose interpreted kernels have no
+    bf16) the stream reaches the head in autocast's dtype (post-norm, MoE and gated outputs included), where the
+    default keeps it fp32; loss and every gradient equal the fp32 stream's within that dtype's rounding (loss to
+    one eps, gradients to 20 eps relative RMS). Without autocast the option changes nothing, bit for bit."""
+    dev, dtype = ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float16)
+    eps = torch.finfo(dtype).eps
+    x = tokens(build(arch, kw), 2, BASE["seq_len"] + 1).to(dev)
+    out = {}
+    for residual in ("fp32", "autocast"):
+        for autocast in (False, True):
+            model = build(arch, {**kw, "residual": residual}).to(dev)
+            seen = []
+            head_loss = model.head_loss
+            model.head_loss = lambda h, t=None, f=head_loss: (seen.append(h.dtype), f(h, t))[1]
+            with torch.autocast(dev, dtype, enabled=autocast):
+                loss = model.loss(x[:, :-1], x[:, 1:])
+            loss.backward()
+            grads = {n: torch.zeros_like(p) if p.grad is None else p.grad for n, p in model.named_parameters()}
+            out[residual, autocast] = loss.detach(), seen, grads
+    assert out["fp32", True][1] == [torch.float32] and out["autocast", True][1] == [dtype]
+    assert out["autocast", False][1] == [torch.float32]
+    torch.testing.assert_close(out["autocast", False][0], out["fp32", False][0], rtol=0, atol=0)
+    for n, g in out["fp32", False][2].items():
+        torch.testing.assert_close(out["autocast", False][2][n], g, rtol=0, atol=0, msg=lambda m, n=n: f"{n}: {m}")
+    (ref, _, ref_grads), (loss, _, grads) = out["fp32", True], out["autocast", True]
+    torch.testing.assert_close(loss, ref, rtol=eps, atol=0)
+    for n, g in ref_grads.items():
+        assert_close(n, g, grads[n], 20 * eps)
 
 
 # ---- causality and decoding --------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ def test_loss_decreases_on_repeated_batch():
         (dict(norm="sandwich"), "norm"),
         (dict(n_layers=0), "positive"),
         (dict(attn_impl="flash9"), "attn_impl"),
+        (dict(residual="bf16"), "model.residual must be"),
     ],
 )
 def test_bad_shapes_raise_one_line(kw, msg):

@@ -174,8 +174,9 @@ def branch_input(x: torch.Tensor, norm: nn.Module, pre_norm: bool) -> torch.Tens
 
 
 def add_branch(x: torch.Tensor, y: torch.Tensor, norm: nn.Module, pre_norm: bool) -> torch.Tensor:
-    """The residual stream after a branch whose output is y: x + y (pre-norm) or N(x + y) (post-norm)."""
-    return x + y if pre_norm else norm(x + y)
+    """The residual stream after a branch whose output is y: x + y (pre-norm) or N(x + y) (post-norm), in x's dtype
+    (a wider y, or the norm's fp32 weight, would otherwise widen a 16-bit stream: model.residual='autocast')."""
+    return (x + y if pre_norm else norm(x + y)).to(x.dtype)
 
 
 class Block(nn.Module):

@@ -36,6 +36,10 @@ class DenseConfig:
     rope_theta: float = 10000.0
     init_std: float = 0.02
     attn_impl: str = "sdpa"  # sdpa (fused kernels) | naive (explicit matmuls: reference, FLOP counting)
+    # the residual stream's dtype under autocast: fp32 (the embedding's: autocast leaves adds in the wider dtype) or
+    # autocast (its dtype, bf16 under bf16-mixed, as torchtitan and Megatron keep it: half the stream's memory
+    # traffic, each residual add rounded to bf16); without autocast both are the parameters' dtype
+    residual: str = "fp32"
 
     def __post_init__(self):
         if self.d_ff == 0:
@@ -53,6 +57,8 @@ class DenseConfig:
             raise ModelConfigError(f"model.norm must be 'pre' or 'post', got {self.norm!r}")
         if self.attn_impl not in ("sdpa", "naive"):
             raise ModelConfigError(f"model.attn_impl must be 'sdpa' or 'naive', got {self.attn_impl!r}")
+        if self.residual not in ("fp32", "autocast"):
+            raise ModelConfigError(f"model.residual must be 'fp32' or 'autocast', got {self.residual!r}")
 
     @property
     def head_dim(self) -> int:
@@ -128,10 +134,18 @@ class DenseLM(nn.Module):
         consumed in chunks, never whole (unfused, their fp32 upcast and log-softmax cost a quarter of a
         GPT-2-small step on an H200).
         """
-        x = self.embed(idx)  # [B, T, D]
+        x = self.embed_tokens(idx)  # [B, T, D]
         for block in self.blocks:
             x = self.layer(block, x)
         return self.head_loss(x, targets)
+
+    def embed_tokens(self, idx: torch.Tensor) -> torch.Tensor:
+        """idx [B, T] -> the residual stream's start [B, T, D], in autocast's dtype with ``residual='autocast'``."""
+        x = self.embed(idx)
+        dev = x.device.type
+        if self.cfg.residual == "autocast" and torch.is_autocast_enabled(dev):
+            return x.to(torch.get_autocast_dtype(dev))
+        return x
 
     def layer(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """One block of the trunk: x [B, T, D] -> [B, T, D]."""

@@ -221,7 +221,7 @@ class MoDLM(Decoder, DenseLM):
         their outputs (MoDE's MoE layers) in layer order); ``cache`` (one KVCache per layer) is prefilled."""
         if mode not in MODES:
             raise ValueError(f"route mode must be one of {MODES}, got {mode!r}")
-        x = self.embed(idx)  # [B, T, D]
+        x = self.embed_tokens(idx)  # [B, T, D]
         infos, stats = [], []
         for i, blk in enumerate(self.blocks):
             x, info, st = self.route_layer(blk, x, mode, None if cache is None else cache[i])
@@ -324,7 +324,7 @@ class MoDLM(Decoder, DenseLM):
     def decode_step(self, tok: torch.Tensor, pos: int, cache: list[KVCache]) -> torch.Tensor:
         """tok [B, 1] at position ``pos`` -> logits [B, V]; full layers cache every token, routed layers
         only the tokens their causal rule routes."""
-        x = self.embed(tok)  # [B, 1, D]
+        x = self.embed_tokens(tok)  # [B, 1, D]
         p = torch.full_like(tok, pos)  # [B, 1]
         for blk, c in zip(self.blocks, cache, strict=True):
             if isinstance(blk, RoutedBlock):

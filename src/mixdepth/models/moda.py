@@ -452,7 +452,7 @@ class MoDALM(Decoder, DenseLM):
         return x, store
 
     def _first(self, idx: torch.Tensor, pos: torch.Tensor | None):
-        x = self.embed(idx)  # [B, T, D]
+        x = self.embed_tokens(idx)  # [B, T, D]
         return x, self.blocks[0].pre(x, self.rope, pos)
 
     def _between(self, block: MoDABlock, nxt: MoDABlock | None, x, y, pos):

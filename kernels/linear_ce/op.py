@@ -1,7 +1,7 @@
 """Public fused linear + cross-entropy (every family's LM loss) with its gradients computed in the forward.
 
 ``loss = mean_i(lse(x_i W^T) - (x_i W^T)[t_i])`` without the ``[N, V]`` logits ever existing in full. For row
-chunks of x (``kernel.CONFIG.chunk_rows``: a chunk's logits in at most ``chunk_bytes``, 256 MB):
+chunks of x (``kernel.CONFIG.chunk_rows``: a chunk's logits in at most ``chunk_bytes``, 1 GiB):
 
 1. ``z = x_c @ W^T`` by cuBLAS in the compute dtype (autocast's, as ``F.linear`` would use, else x's);
 2. one Triton kernel (``kernel.ce_rows``) computing each row's max and log-sum-exp over V in fp32, its loss,

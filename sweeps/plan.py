@@ -129,12 +129,9 @@ def plan(lab: LabConfig, sid: str) -> tuple[list[Trial], list[str]]:
             kept = []
             for shape, m in models:
                 trial = point(lab, sid, arch, budget, shape, m, t.seed)
-                if trial.steps < s.min_steps or 0 < s.max_steps < trial.steps:
-                    bound = (
-                        f"< sweep.min_steps={s.min_steps}"
-                        if trial.steps < s.min_steps
-                        else f"> sweep.max_steps={s.max_steps}"
-                    )
+                too_few, too_many = trial.steps < s.min_steps, 0 < s.max_steps < trial.steps
+                if too_few or too_many:
+                    bound = f"< sweep.min_steps={s.min_steps}" if too_few else f"> sweep.max_steps={s.max_steps}"
                     notes.append(
                         f"{arch} C={budget:.2e} d={shape.d_model} L={shape.n_layers}: {trial.steps} steps {bound},"
                         " left out"

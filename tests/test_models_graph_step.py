@@ -11,7 +11,10 @@ import torch
 from mixdepth.config import ConfigError, DataConfig, TrainConfig, check_graph_step
 from mixdepth.graphs import StepGraph
 from mixdepth.launch import check_devices
+from mixdepth.lit import LitLM
 from mixdepth.models import MODELS
+from mixdepth.models.dense import DenseConfig
+from mixdepth.throughput import cadence
 from mixdepth.train import RunConfig, fit
 from tests.test_models_contract import BASE, CASES, build, tokens
 
@@ -72,6 +75,36 @@ def test_fit_with_graph_step_trains_the_eager_run_gpu(arch, tmp_path):
     torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
     assert graphed.metrics.val_loss == pytest.approx(eager.metrics.val_loss, abs=2e-3)
     assert want[-1] < want[0] - 0.5  # it learned: the comparison is not of two untrained models
+
+
+@GPU
+@pytest.mark.parametrize("graph_step", [False, True], ids=["eager", "graph_step"])
+def test_training_steps_never_wait_on_the_gpu(graph_step, monkeypatch):
+    """Through train.fit, a step that records no curve point and no throughput measurement makes no device sync (CUDA
+    sync debug mode set to error for it, through Lightning's end-of-batch bookkeeping): the host queues the next
+    step while the GPU runs this one. A progress-bar value left on the GPU made each step wait (2026-12-04)."""
+    steps, log_every, warm = 30, 10, 5  # warm: the step graph's warm-up and capture synchronise
+    every, _ = cadence(steps, log_every)
+    quiet = [s for s in range(warm + 1, steps) if s % log_every and s % every]
+    checked = []
+    begin = LitLM.on_train_batch_start
+
+    def on_train_batch_start(self, batch, batch_idx):
+        step = self.global_step + 1
+        torch.cuda.set_sync_debug_mode("error" if step in quiet else "default")
+        checked.extend([step] * (step in quiet))
+        return begin(self, batch, batch_idx)
+
+    monkeypatch.setattr(LitLM, "on_train_batch_start", on_train_batch_start)
+    model = DenseConfig(d_model=64, n_layers=2, n_heads=2, n_kv_heads=2, seq_len=64, vocab_size=256)
+    data = DataConfig(max_bytes=300_000, val_tokens=4096, seq_len=64)
+    train = TrainConfig(batch_size=8, accelerator="gpu", graph_step=graph_step, log_every=log_every, progress=False)
+    try:
+        result = fit(RunConfig(model, data, train, steps))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert checked == quiet and len(quiet) >= 15
+    assert [p["step"] for p in result.curve] == [1, 10, 20, 30]
 
 
 @pytest.mark.parametrize(

@@ -79,7 +79,9 @@ class LitLM(L.LightningModule):
                     "lr": lr,
                 }
             )
-            self.log("loss", value, prog_bar=True, on_step=True, logger=False)
+            # a host tensor: Lightning reads its progress-bar values (.item()) after every later batch, and one on the
+            # GPU would make that a device sync per step (the host could not queue a step ahead of the GPU)
+            self.log("loss", torch.tensor(value), prog_bar=True, on_step=True, logger=False)
             self._to_loggers({"train_loss": value, "lr": lr}, step)
         if self.step_graph is not None:  # after the curve point: it reads this step's lr and step count
             self.optimizers().step()

@@ -2,7 +2,8 @@
 
 loop: the Lightning path every run takes (train.make_trainer + LitLM) against a plain PyTorch loop with the
       same model, data, optimizer, schedule and clipping, alternated in one process; prints the ratio.
-mfu:  tokens/s and MFU through train.fit (bf16, torch.compile) of archs at one shape (GPT-2 small by default).
+mfu:  tokens/s and MFU through train.fit (bf16, torch.compile) of archs at one shape (GPT-2 small by default);
+      with --profile N, where N of each fit's steps went (GPU kernels, GPU idle, the host waiting on the GPU).
 compile: where one small sweep run's time goes (GPU): train.fit of archs at a shape with empty compile caches, with
       the on-disk caches warm, and compiled in-process already; fit wall, steady steps, compile time, MFU.
 step: training-step time and peak memory of several archs at one shape (e.g. MoD vs dense), GPU.
@@ -36,6 +37,8 @@ from mixdepth.flops import train_flops
 from mixdepth.lit import LitLM, LMDataModule
 from mixdepth.models import MODELS
 from mixdepth.models.dense import DenseConfig, DenseLM
+from mixdepth.profiling import StepWindowProfile, kernel_time
+from mixdepth.throughput import cadence
 from mixdepth.train import RunConfig, _quiet, fit, make_trainer, resolve_device
 
 
@@ -128,6 +131,7 @@ def bench_mfu(args) -> None:
         mode = "default" if args.compile_mode in CUDA_GRAPH_MODES else args.compile_mode
         graphed = replace(train, compile_mode=mode, graph_step=True)
         trains = [("", train)] + [(" +graph_step", graphed)] * args.graph_step
+        start = _profile_start(args.steps, args.profile, train.log_every)
         rows = []
         for arch in args.archs.split(","):
             model = MODELS[arch][0](
@@ -136,7 +140,8 @@ def bench_mfu(args) -> None:
             )  # fmt: skip
             for label, t in trains:
                 torch._dynamo.reset()
-                rows.append((arch + label, model, fit(RunConfig(model, data, t, args.steps)).metrics))
+                prof = [StepWindowProfile(start, args.profile, f" {arch}{label}")] if args.profile else []
+                rows.append((arch + label, model, fit(RunConfig(model, data, t, args.steps), callbacks=prof).metrics))
     print(
         f"d{d} L{args.n_layers} H{H} T{T} vocab {vocab} tied, batch {args.batch_size}x{T}, steps {args.steps},"
         f" compile {not args.no_compile} (mode {args.compile_mode}, scope {args.compile_scope}), window of the last"
@@ -151,6 +156,20 @@ def bench_mfu(args) -> None:
             f"| {arch} | {model.n_params()['total']:,} | {model.flops_per_token():.4g} | {res.tokens_per_s:,.0f} |"
             f" {mfu} | {res.tokens_per_s / rows[0][2].tokens_per_s:.3f}x | {res.wall_s:.1f} |"
         )
+
+
+def _profile_start(steps: int, n: int, log_every: int) -> int:
+    """The first step of ``mfu --profile n``'s window: after compilation and the step graph's capture (step 6 at
+    the earliest), a quarter into the run, ending before the steps whose rate the run reports.
+
+    Raises:
+        ConfigError: the window does not fit before them.
+    """
+    every, window = cadence(steps, log_every)
+    start, last = max(6, steps // 4 + 1), steps - window * every
+    if n and start + n - 1 > last:
+        raise ConfigError(f"--profile {n}: steps {start}-{start + n - 1} would reach the measured steps; raise --steps")
+    return start
 
 
 def bench_ddp(args) -> None:
@@ -197,19 +216,13 @@ def _profile(step, label: str, rows: int) -> None:
 
 def _gpu_busy_ms(step, n: int = 3) -> float:
     """Mean time per step covered by at least one GPU kernel (union of kernel intervals) over n steps."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(n):
             step()
         torch.cuda.synchronize()
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA)
-    busy, end = 0, float("-inf")
-    for a, b in spans:
-        busy += max(0, b - max(a, end))
-        end = max(end, b)
-    return busy / n / 1e3
+    return kernel_time(prof.events())[0] / n / 1e3
 
 
 def bench_compile(args) -> None:
@@ -378,6 +391,7 @@ def main() -> None:
     mp.add_argument("--vocab", type=int, default=50304, help="vocabulary (tied embeddings); 256 = byte-level")
     mp.add_argument("--tokens", type=int, default=64_000_000, help="synthetic .bin corpus size")
     mp.add_argument("--set", nargs="*", default=[], help="arch.key=value model options, e.g. mod.capacity=0.125")
+    mp.add_argument("--profile", type=int, default=0, help="profile N steps of each fit (kernels, idle, host waits)")
     cp = sub.add_parser("compile", help="one run's fit with empty, on-disk and in-process compile caches (GPU)")
     cp.add_argument("--archs", default="dense,mod,mode")
     cp.add_argument("--d-model", type=int, default=384)

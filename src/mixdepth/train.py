@@ -13,13 +13,14 @@ import signal
 import sys
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
 
 from mixdepth.checkpoints import FINAL, checkpoint_callback, drop_hpc_checkpoints, resume_path
@@ -166,21 +167,22 @@ def _call(trainer: L.Trainer, trainer_fn, *args, **kwargs) -> None:
         raise KeyboardInterrupt from None
 
 
-def fit(run: RunConfig, cache_dir: Path | None = None) -> RunResult:
+def fit(run: RunConfig, cache_dir: Path | None = None, callbacks: Sequence[Callback] = ()) -> RunResult:
     """Train ``run.model`` for ``run.steps`` steps and evaluate on the fixed held-out set.
 
     On ``train.devices * train.num_nodes`` ranks each step sees ``train.batch_size`` sequences in all; without an
     external launcher the ranks are started here (mixdepth.launch) and the result comes back to this process.
+    ``callbacks``: Lightning callbacks added to the run's own (benchmarks' profilers).
 
     Raises:
         ConfigError: the devices asked for are not there (``launch.check_devices``), before anything is trained.
     """
     _quiet()
     check_devices(run.train)
-    return launch(_fit, run.train, run, cache_dir)
+    return launch(_fit, run.train, run, cache_dir, tuple(callbacks))
 
 
-def _fit(run: RunConfig, cache_dir: Path | None) -> RunResult:
+def _fit(run: RunConfig, cache_dir: Path | None, callbacks: tuple[Callback, ...] = ()) -> RunResult:
     """``fit`` on one rank."""
     _quiet()
     entered = time.perf_counter()
@@ -208,7 +210,7 @@ def _fit(run: RunConfig, cache_dir: Path | None) -> RunResult:
     logger = run_logger(t, run.log_dir)
     if logger:
         logger.log_hyperparams({"model": asdict(run.model), "data": asdict(run.data), "train": asdict(t)})
-    trainer = make_trainer(t, run.steps, accelerator, precision, [monitor, *saver], run.ckpt_dir, logger)
+    trainer = make_trainer(t, run.steps, accelerator, precision, [monitor, *saver, *callbacks], run.ckpt_dir, logger)
     resume = resume_path(ckpt_dir) if ckpt_dir else None
     lit.started = time.perf_counter()
     setup = lit.started - entered  # corpus, model, compile wrapper, trainer (not the compilation: the first steps)

@@ -63,22 +63,21 @@ class StepWindowProfile(L.Callback):
                 torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - self.t0) * 1e3 / self.n
         self.prof.__exit__(None, None, None)
-        events, self.prof, per = self.prof, None, 1e3 * self.n  # per: µs over the window -> ms per step
+        prof, self.prof, per = self.prof, None, 1e3 * self.n  # per: µs over the window -> ms per step
         head = f"--- profile{self.label}: train.fit steps {self.start}-{self.start + self.n - 1}, synchronised at the"
         head += f" window's ends: {wall_ms:.2f} ms per step"
         if not cuda:
             print(head + " (no GPU: the heaviest host operations)")
-            print(events.key_averages().table(sort_by="self_cpu_time_total", row_limit=self.rows))
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=self.rows))
             return
-        end = min(e.time_range.start for e in events.events() if e.name == _END)
-        waits = [e for e in events.events() if e.name in WAITS and e.time_range.start < end]
-        busy, gaps = kernel_time(events.events())
+        events = prof.events()
+        end = min(e.time_range.start for e in events if e.name == _END)
+        waits = [e for e in events if e.name in WAITS and e.time_range.start < end]
+        busy, gaps = kernel_time(events)
         print(
             f"{head}, GPU kernels {busy / per:.2f} ms, GPU idle gaps > {GAP_US} µs {len(gaps) / self.n:.1f} per step"
             f" ({sum(gaps) / per:.2f} ms), host waits on the GPU {len(waits) / self.n:.1f} per step"
             f" ({sum(e.time_range.elapsed_us() for e in waits) / per:.2f} ms)"
         )
-        table = events.key_averages().table(
-            sort_by="self_cuda_time_total", row_limit=self.rows, max_name_column_width=60
-        )
+        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=self.rows, max_name_column_width=60)
         print(table)

@@ -3,8 +3,12 @@
 A grid point trained with several seeds (``sweep.seeds``) gives the spread of its loss. Per budget the spread is
 the pooled standard deviation over every (arch, size) with two or more seeds (dof = sum of seeds - 1), with a
 ``LEVEL`` chi-square interval; a budget without replicates borrows the spread pooled over all budgets (and
-says so). An arch's best loss at a budget is the lowest seed-mean loss over its sizes; a difference to dense's
-is "within noise" when it is at most twice the spread.
+says so). An arch's best loss at a budget is the lowest seed-mean loss over its sizes. A difference of two such
+means gets a ``LEVEL`` t interval from that spread, sd * sqrt(1/n_a + 1/n_b) with the spread's dof (n = seeds
+averaged on each side); it is "within noise" when the interval holds 0. The interval holds seed noise only: a
+best-of-sizes loss also sits above the arch's true isoFLOP minimum by however far its nearest grid size is from
+it (for both sides alike on a shared ladder), and the lowest of several noisy means is biased low when sizes come
+close (by at most about the sd of one mean).
 """
 
 from __future__ import annotations
@@ -56,30 +60,53 @@ def seed_spread(points: pd.DataFrame, level: float = LEVEL) -> list[dict[str, An
     return rows
 
 
-def compare_to_dense(points: pd.DataFrame, spread: list[dict[str, Any]], dense: str = "dense") -> list[dict[str, Any]]:
-    """Per budget and arch other than ``dense``: its best loss minus dense's, the spread, and the verdict.
+def seed_means(points: pd.DataFrame, key: list[str]) -> pd.DataFrame:
+    """Per ``key`` group: the mean loss over its seeds (``loss``) and how many there were (``seeds``)."""
+    return points.groupby(key, sort=True, dropna=False)["loss"].agg(loss="mean", seeds="count").reset_index()
+
+
+def best_points(points: pd.DataFrame, key: tuple[str, ...] = ("n",)) -> pd.DataFrame:
+    """Per (arch, budget): the size (``key`` columns) with the lowest seed-mean loss, that loss and its seeds."""
+    means = seed_means(points, ["arch", "budget", *key])
+    return means.loc[means.groupby(["arch", "budget"])["loss"].idxmin()].reset_index(drop=True)
+
+
+def difference(
+    a: tuple[float, int], b: tuple[float, int], spread: dict[str, Any] | None, level: float = LEVEL
+) -> dict[str, Any]:
+    """Seed-mean loss ``a`` minus ``b`` (each (loss, seeds)) with its ``level`` interval from a ``seed_spread`` row.
 
     Returns:
-        Rows of budget, arch, best, dense_best, diff, sd, verdict ("within noise", "lower", "higher", or
-        "noise not measured" when the budget has no spread).
+        diff, lo, hi (None without a spread), sd (the spread used) and verdict: "lower" or "higher" when the
+        interval excludes 0, "within noise" when it holds 0, "noise not measured" without a spread.
     """
-    sd_at = {r["budget"]: r["sd"] for r in spread}
-    best = points.groupby(["arch", "budget", "n"])["loss"].mean().groupby(["arch", "budget"]).min()
+    diff = float(a[0] - b[0])
+    out = {"diff": diff, "lo": None, "hi": None, "sd": None, "verdict": "noise not measured"}
+    if spread is None or spread["sd"] is None:
+        return out
+    half = stats.t.ppf((1 + level) / 2, spread["dof"]) * spread["sd"] * np.sqrt(1 / a[1] + 1 / b[1])
+    lo, hi = diff - half, diff + half
+    verdict = "lower" if hi < 0 else "higher" if lo > 0 else "within noise"
+    return {**out, "lo": float(lo), "hi": float(hi), "sd": spread["sd"], "verdict": verdict}
+
+
+def compare_to_dense(points: pd.DataFrame, spread: list[dict[str, Any]], dense: str = "dense") -> list[dict[str, Any]]:
+    """Per budget and arch other than ``dense``: its best loss minus dense's with its interval (``difference``).
+
+    Returns:
+        Rows of budget, arch, best, dense_best and ``difference``'s diff, lo, hi, sd and verdict.
+    """
+    at = {r["budget"]: r for r in spread}
+    best = best_points(points).set_index(["arch", "budget"])
     rows = []
-    for (arch, b), v in best.items():
-        if arch == dense or (dense, b) not in best:
+    for (arch, b), v in best.iterrows():
+        if arch == dense or (dense, b) not in best.index:
             continue
-        diff, sd = float(v - best[(dense, b)]), sd_at.get(float(b))
-        if sd is None:
-            verdict = "noise not measured"
-        elif abs(diff) <= 2 * sd:
-            verdict = "within noise"
-        else:
-            verdict = "lower" if diff < 0 else "higher"
-        rows.append({
-            "budget": float(b), "arch": arch, "best": float(v), "dense_best": float(best[(dense, b)]),
-            "diff": diff, "sd": sd, "verdict": verdict,
-        })  # fmt: skip
+        d = best.loc[(dense, b)]
+        diff = difference((v["loss"], v["seeds"]), (d["loss"], d["seeds"]), at.get(float(b)))
+        rows.append(
+            {"budget": float(b), "arch": arch, "best": float(v["loss"]), "dense_best": float(d["loss"]), **diff}
+        )
     return sorted(rows, key=lambda r: (r["budget"], r["arch"]))
 
 

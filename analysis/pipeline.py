@@ -18,6 +18,7 @@ from typing import Any
 import duckdb
 import pandas as pd
 
+from analysis.claims import check
 from analysis.errors import AnalysisError
 from analysis.forecast import forecast
 from analysis.isoflop import fit_isoflop
@@ -27,6 +28,7 @@ from analysis.records import Forecast, IsoflopFit, ParametricFit, ParametricFron
 from analysis.store import (
     fit_rows,
     held,
+    load_claim_runs,
     load_curves,
     load_points,
     load_times,
@@ -236,6 +238,7 @@ def run_all(
             points = load_points(con, sid)
             curves = load_curves(con, sid) if plots else None
             times = load_times(con, sid)
+            claim_runs = load_claim_runs(con, sid)
         fits = fit_points(points, sid, holdout=holdout)
         if store:
             with session(db) as con:
@@ -255,5 +258,6 @@ def run_all(
                 before_report()
             with session(db) as con:
                 summary = sweep_summary(con, sid)
-            paths["report"] = write_report(out / "report.md", fits, long, summary, paths, notes, times=times)
+            claims = check(claim_runs, fits)
+            paths["report"] = write_report(out / "report.md", fits, long, summary, paths, notes, times, claims)
     return paths

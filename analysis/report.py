@@ -23,6 +23,7 @@ from analysis.records import ParabolaFit, PowerLaw
 from mixdepth import usage
 
 if TYPE_CHECKING:
+    from analysis.claims import ClaimRow
     from analysis.pipeline import SweepFits
 
 _PASSWORD = re.compile(r"(\w[\w+.-]*://[^/:@\s]*:)[^@/\s]+@")  # scheme://user:PASSWORD@host
@@ -228,6 +229,13 @@ def _frontier_lines(fits: SweepFits) -> list[str]:
     return lines + _table(["series", "budget C (FLOPs)", "N* [90%]", "D* [90%]", "L* [90%]", "intervals"], rows)
 
 
+def _signed(r: Mapping[str, Any]) -> str:
+    """A ``noise.difference`` as "+d [lo, hi]" (signed), or "+d (noise not measured)"."""
+    if r["lo"] is None:
+        return f"{r['diff']:+.3g} (noise not measured)"
+    return f"{r['diff']:+.3g} [{r['lo']:+.3g}, {r['hi']:+.3g}]"
+
+
 def _noise_lines(points: pd.DataFrame) -> list[str]:
     """Seed noise and comparison to dense (``analysis.noise``)."""
     from analysis.noise import noise_tables
@@ -238,8 +246,8 @@ def _noise_lines(points: pd.DataFrame) -> list[str]:
         "",
         "Seed-to-seed standard deviation of a run's loss, pooled over the grid points trained with several seeds",
         "(90% chi-square interval); a budget without replicates borrows the spread pooled over all budgets. An",
-        "arch's best loss (lowest seed-mean over its sizes; measured) minus dense's is within noise when it is at",
-        "most twice that spread (analysis/noise.py).",
+        "arch's best loss (lowest seed-mean over its sizes; measured) minus dense's, with its 90% t interval from",
+        "that spread (sd·sqrt(1/seeds + 1/seeds)): within noise when the interval holds 0 (analysis/noise.py).",
         "",
     ]
     if not any(r["sd"] is not None for r in spread):
@@ -256,12 +264,11 @@ def _noise_lines(points: pd.DataFrame) -> list[str]:
         lines += _table(["budget C (FLOPs)", "seed sd (nats) [90%]", "dof", "source"], rows)
     if compare:
         rows = [
-            [_g(r["budget"], 3), r["arch"], _g(r["best"]), _g(r["dense_best"]), f"{r['diff']:+.4g}",
-             _g(None if r["sd"] is None else 2 * r["sd"], 3), r["verdict"]]
+            [_g(r["budget"], 3), r["arch"], _g(r["best"]), _g(r["dense_best"]), _signed(r), r["verdict"]]
             for r in compare
         ]  # fmt: skip
-        head = ["budget C (FLOPs)", "arch", "best loss (measured)", "dense best (measured)", "difference (measured)",
-                "2 × seed sd", "verdict"]  # fmt: skip
+        head = ["budget C (FLOPs)", "arch", "best loss (measured)", "dense best (measured)", "difference [90%]",
+                "verdict"]  # fmt: skip
         lines += _table(head, rows)
     return lines
 
@@ -293,6 +300,27 @@ def _time_lines(times: pd.DataFrame, summary: Mapping[str, Any]) -> list[str]:
     return lines + _table(head, rows)
 
 
+def _claims_lines(claims: Sequence[ClaimRow]) -> list[str]:
+    """The papers' claims (``analysis.claims``), each with its measured difference, interval and seed spread."""
+    lines = [
+        "## The papers' claims at this scale",
+        "",
+        "Each claim checked at each budget (analysis/claims.py): seed-mean held-out losses of each arch's best size",
+        "(equal training FLOPs) or of the baseline's best shape for both (equal parameters). Reproduced: the 90%",
+        "interval of the difference lies on the claim's side of 0; refuted: on the other side; not resolved: it holds",
+        "0, or the seed spread was not measured (sweep.seeds). A forecast is reproduced when the measured optimum lies",
+        "in its 90% prediction interval.",
+        "",
+    ]
+    rows = [
+        [c.claim, "–" if c.budget is None else _g(c.budget, 3), c.compared, c.measured,
+         "–" if c.diff is None else _signed({"diff": c.diff, "lo": c.lo, "hi": c.hi}), _g(c.sd, 3), c.verdict]
+        for c in claims
+    ]  # fmt: skip
+    head = ["claim", "budget C", "compared", "measured (nats)", "difference [90%]", "seed sd", "verdict"]
+    return lines + _table(head, rows)
+
+
 def build_report(
     fits: SweepFits,
     points: pd.DataFrame,
@@ -301,6 +329,7 @@ def build_report(
     notes: Sequence[str] = (),
     base: Path | None = None,
     times: pd.DataFrame | None = None,
+    claims: Sequence[ClaimRow] = (),
 ) -> str:
     """Markdown text of the report.
 
@@ -312,6 +341,7 @@ def build_report(
         notes: global notes (e.g. figures skipped).
         base: folder the report is written to; figure links are relative to it.
         times: ``store.load_times`` rows (each run's loss and seconds) for the time-matched view.
+        claims: ``analysis.claims.check`` rows.
     """
     lines = [f"# Scaling-law report: sweep {summary.get('sweep_id')}", ""]
     lines += _header_lines(fits, summary)
@@ -389,6 +419,8 @@ def build_report(
     lines += _forecast_lines(fits)
     if not points.empty:
         lines += _noise_lines(points)
+    if claims:
+        lines += _claims_lines(claims)
     if times is not None and not times.empty:
         lines += _time_lines(times, summary)
 
@@ -414,9 +446,10 @@ def write_report(
     figures: Mapping[str, Path],
     notes: Sequence[str] = (),
     times: pd.DataFrame | None = None,
+    claims: Sequence[ClaimRow] = (),
 ) -> Path:
     """Write ``build_report`` to ``out`` (figure links relative to its folder) and return the path."""
     p = Path(out)
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(build_report(fits, points, summary, figures, notes, base=p.parent, times=times))
+    p.write_text(build_report(fits, points, summary, figures, notes, base=p.parent, times=times, claims=claims))
     return p

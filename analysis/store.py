@@ -142,6 +142,18 @@ def load_times(con: duckdb.DuckDBPyConnection, sweep_id: str | None) -> pd.DataF
     ).df()
 
 
+def load_claim_runs(con: duckdb.DuckDBPyConnection, sweep_id: str | None) -> pd.DataFrame:
+    """Each finished run's shape, seed and losses for ``analysis.claims``: arch, budget, d_model, n_layers, n, seed,
+    loss (held-out, top-k routing), loss_causal and predictor_accuracy (routed archs; else NULL)."""
+    return con.execute(
+        "SELECT arch, budget, d_model, n_layers, params_nonembed AS n, seed, val_loss AS loss,"
+        " val_loss_causal AS loss_causal, CAST(json_extract(routing_stats, '$.predictor_accuracy') AS DOUBLE)"
+        " AS predictor_accuracy FROM runs WHERE sweep_id IS NOT DISTINCT FROM ? AND status = 'ok'"
+        " AND val_loss IS NOT NULL ORDER BY arch, budget, n, seed",
+        [sweep_id],
+    ).df()
+
+
 def load_curves(con: duckdb.DuckDBPyConnection, sweep_id: str | None) -> pd.DataFrame:
     """Training curves of a sweep's runs (every status), with the run's arch, budget, N and status.
 

@@ -83,7 +83,8 @@ def test_run_all_writes_fits_plots_and_report(tmp_path):
                    "mod: parametric fit skipped", "diverged: 1", "planned count unknown", "## Provenance",
                    "mixdepth version: not recorded", "command line: not recorded", "![curves_plot](curves.png)",
                    "![residuals_plot](residuals.png)", "## Approach 3: compute-optimal frontier",
-                   "## Seed noise and comparison to dense"):  # fmt: skip
+                   "## Seed noise and comparison to dense", "## The papers' claims at this scale",
+                   "at equal training FLOPs (MoD Fig. 4) | 1e+16 | mod (N"):  # fmt: skip
         assert needle in text, needle
     assert json.loads(paths["fits_json"].read_text())["sweep_id"] == "s1"
 

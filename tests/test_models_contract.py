@@ -244,7 +244,7 @@ def test_residual_stream_in_autocast_dtype(arch, kw):
             model = build(arch, {**kw, "residual": residual}).to(dev)
             seen = []
             head_loss = model.head_loss
-            model.head_loss = lambda h, t=None, f=head_loss: (seen.append(h.dtype), f(h, t))[1]
+            model.head_loss = lambda h, t=None, f=head_loss, s=seen: (s.append(h.dtype), f(h, t))[1]
             with torch.autocast(dev, dtype, enabled=autocast):
                 loss = model.loss(x[:, :-1], x[:, 1:])
             loss.backward()

@@ -7,6 +7,7 @@ import os
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,8 +18,9 @@ from sweeps import mps
 SHARED = ["0", "0", "0"]
 
 
-def fake_control(tmp_path: Path, monkeypatch, code: int = 0) -> Path:
-    """An ``nvidia-cuda-mps-control`` on PATH that appends its argv, stdin and MPS pipe folder to a log."""
+def fake_control(tmp_path: Path, monkeypatch, code: int = 0, quit_s: float = 0) -> Path:
+    """An ``nvidia-cuda-mps-control`` on PATH that appends its argv, stdin and MPS pipe folder to a log (and takes
+    ``quit_s`` seconds to answer a quit)."""
     log = tmp_path / "calls.log"
     bindir = tmp_path / "bin"
     bindir.mkdir()
@@ -27,6 +29,7 @@ def fake_control(tmp_path: Path, monkeypatch, code: int = 0) -> Path:
         "#!/bin/sh\n"
         f'echo "args=$* pipe=$CUDA_MPS_PIPE_DIRECTORY stdin=$(if [ -z "$1" ]; then cat; fi)" >> {log}\n'
         + (f"echo 'An instance of this daemon is already running' >&2; exit {code}\n" if code else "")
+        + (f'if [ -z "$1" ]; then sleep {quit_s}; fi\n' if quit_s else "")
     )
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
@@ -60,6 +63,21 @@ def test_quit_also_when_the_sweep_is_stopped(tmp_path, monkeypatch):
         raise KeyboardInterrupt
     assert [line.split()[0] for line in log.read_text().splitlines()] == ["args=-d", "args="]
     assert log.read_text().endswith("stdin=quit\n")
+
+
+def test_a_daemon_that_does_not_quit_keeps_no_one_waiting(tmp_path, monkeypatch, capsys):
+    """A quit that hangs (its clients not gone) costs the sweep QUIT_TIMEOUT_S, not the interrupt: Ctrl-C stays
+    Ctrl-C, and one line says the daemon is left running."""
+    fake_control(tmp_path, monkeypatch, quit_s=30)
+    monkeypatch.setattr(mps, "QUIT_TIMEOUT_S", 1)
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt), mps.serve("auto", SHARED, check=lambda env: None):
+        pipe = os.environ["CUDA_MPS_PIPE_DIRECTORY"]
+        raise KeyboardInterrupt
+    assert time.monotonic() - start < 10
+    err = capsys.readouterr().err
+    assert err == f"note: the sweep's MPS daemon did not quit within 1 s; it is left running ({mps.ENV[0]}={pipe})\n"
+    assert os.path.isdir(pipe) and "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
 
 
 @pytest.mark.parametrize("gpus", [[], ["0"], ["0", "1"], ["0,1", "2,3"]])

@@ -126,9 +126,9 @@ def _predictor(runs: pd.DataFrame, spread: dict[float, dict[str, Any]], arch: st
         why = f"the sweep has no {arch} runs" if arch not in set(runs["arch"]) else "no run recorded the predictor"
         return [ClaimRow(PREDICTOR_CLAIM, None, arch, "–", None, None, None, None, f"not resolved: {why}")]
     rows = []
-    for _, best in best_points(mod).iterrows():
+    for _, best in best_points(mod, ("n", *SHAPE)).iterrows():
         b = best["budget"]
-        g = mod[(mod["budget"] == b) & (mod["n"] == best["n"])]
+        g = mod[(mod["budget"] == b) & (mod[["n", *SHAPE]] == best[["n", *SHAPE]]).all(axis=1)]
         acc, n = g["predictor_accuracy"], len(g)
         causal, topk = g["loss_causal"].mean(), g["loss"].mean()
         d = difference((causal, n), (topk, n), spread.get(b))

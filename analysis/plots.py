@@ -27,6 +27,7 @@ from matplotlib.ticker import NullFormatter
 
 from analysis.errors import AnalysisError
 from analysis.records import Forecast, IsoflopFit, ParametricFit, ParametricFrontier, PowerLaw
+from analysis.store import time_basis
 
 DPI = 130
 Color = tuple[float, float, float]
@@ -406,24 +407,25 @@ def plot_curves(
 
 
 def plot_time_frontier(times: pd.DataFrame, out: str | os.PathLike) -> Path:
-    """Held-out loss against each run's steady training time (log x), every run a point, per arch the lower
-    envelope (the best loss reached by that time): the FLOP-matched frontier's time-matched twin.
+    """Held-out loss against each run's steady training time (log x; ``store.time_basis``), every run a point, per
+    arch the lower envelope (the best loss reached by that time): the FLOP-matched frontier's time-matched twin.
 
     Args:
-        times: ``store.load_times`` rows (arch, budget, val_loss, steady_s).
+        times: ``store.load_times`` rows (arch, budget, val_loss, steady_s, alone_s).
         out: PNG path.
     """
+    col, what = time_basis(times)
     markers = budget_markers(sorted(set(times["budget"].astype(float))))
     fig, axes = _figure(1, panel_w=6.4, panel_h=4.4)
     ax = axes[0]
     for arch, runs in times.groupby("arch", sort=True):
         color = series_color(arch)
         for b, here in runs.groupby("budget"):
-            ax.scatter(here["steady_s"], here["val_loss"], color=color, marker=markers[float(b)], s=22)
-        order = runs.sort_values("steady_s")
-        ax.step(order["steady_s"], order["val_loss"].cummin(), where="post", color=color, lw=1.3, label=arch)
+            ax.scatter(here[col], here["val_loss"], color=color, marker=markers[float(b)], s=22)
+        order = runs.sort_values(col)
+        ax.step(order[col], order["val_loss"].cummin(), where="post", color=color, lw=1.3, label=arch)
     _log_x(ax)
-    ax.set_xlabel("steady training time (s, tokens at the run's steady rate)")
+    ax.set_xlabel(f"training time (s, tokens {what})")
     ax.set_ylabel("validation loss (nats)")
     ax.set_title("time-matched: best loss by training time")
     ax.legend(fontsize="small")

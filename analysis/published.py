@@ -1,5 +1,6 @@
-"""A sweep published as files: its rows of ``sweeps``, ``runs``, ``curves`` and ``sweep_usage`` as Parquet, and a
-README.md with the machine, versions, commit and command, in one folder (``python -m analysis publish``).
+"""A sweep published as files: its rows of ``sweeps``, ``runs``, ``curves``, ``sweep_usage`` and ``alone_rates`` as
+Parquet, and a README.md with the machine, versions, commit and command, in one folder (``python -m analysis
+publish``).
 
 Every command that reads a store (report, plot, forecast, query) also takes such a folder as ``--db``: it is loaded
 into a temporary database with the store's schema, so the fits and figures come out as from the original.
@@ -22,13 +23,15 @@ TABLES = {  # table -> the rows of one sweep
     "runs": "SELECT * FROM runs WHERE sweep_id = ? ORDER BY arch, budget, params_nonembed, seed",
     "curves": "SELECT c.* FROM curves c JOIN runs r USING (run_id) WHERE r.sweep_id = ? ORDER BY run_id, step",
     "sweep_usage": "SELECT * FROM sweep_usage WHERE sweep_id = ? ORDER BY started_at",
+    "alone_rates": "SELECT * FROM alone_rates WHERE sweep_id = ? ORDER BY arch, d_model, n_layers, shape",
 }
+OPTIONAL = {"alone_rates"}  # folders published before the table existed lack its file
 _loaded: dict[Path, Path] = {}  # published folder -> its temporary database, for this process
 
 
 def is_published(path: str | Path) -> bool:
     p = Path(path)
-    return p.is_dir() and all((p / f"{t}.parquet").is_file() for t in TABLES)
+    return p.is_dir() and all((p / f"{t}.parquet").is_file() for t in TABLES if t not in OPTIONAL)
 
 
 def publish(con: duckdb.DuckDBPyConnection, sweep_id: str, out: Path) -> dict[str, int]:
@@ -95,6 +98,8 @@ def load(folder: Path) -> Path:
     try:
         for table in TABLES:
             path = str(folder / f"{table}.parquet")
+            if table in OPTIONAL and not Path(path).is_file():
+                continue
             con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM read_parquet(?)", [path])
     except duckdb.Error as e:
         raise StoreError(f"published folder {folder}: {str(e).strip().splitlines()[0]}") from None

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from analysis.records import ParabolaFit, PowerLaw
+from analysis.store import time_basis
 from mixdepth import usage
 
 if TYPE_CHECKING:
@@ -277,26 +278,34 @@ def _time_lines(times: pd.DataFrame, summary: Mapping[str, Any]) -> list[str]:
     """Time-matched view: what each arch's training FLOPs cost in seconds, and its best loss with that time."""
     usage = summary.get("usage") or []
     shared = any((u.get("parts") or {}).get("sharing") in ("mps", "time-sliced") for u in usage)
+    col, _ = time_basis(times)
     lines = [
         "## Time-matched view",
         "",
         "The same runs against time instead of FLOPs (figure `time_frontier`): an arch whose FLOPs run slower or",
-        "faster than dense's (routing, depth attention, small matmuls) moves along this axis. Steady s = the run's",
-        "tokens at its steady-state rate (compilation and first steps excluded); wall s = its whole fit.",
-        "Seconds per PFLOP: the median over the arch's runs of steady s per 1e15 training FLOPs.",
+        "faster than dense's (routing, depth attention, small matmuls) moves along this axis. Wall s = a run's whole",
+        "fit (compilation included). Seconds per PFLOP: the median over the arch's runs of its time per 1e15",
+        "training FLOPs.",
     ]
-    if shared:
-        lines.append("Runs here shared a GPU with others (sweep.workers_per_gpu): each one's seconds include them.")
+    if col == "alone_s":
+        lines.append("Time = each run's tokens at its shape's steady rate trained alone on the device (`python -m"
+                     " sweeps alone`), not at the rate it had beside other runs.")  # fmt: skip
+    else:
+        lines.append("Time = each run's tokens at its own steady-state rate (compilation and first steps excluded).")
+        if shared:
+            lines.append("**These runs shared a GPU** (sweep.workers_per_gpu): each one's rate depends on what ran"
+                         " beside it, so differences between archs here are not their own; `python -m sweeps alone`"
+                         " times every shape alone and the view then uses that.")  # fmt: skip
     lines.append("")
-    per = times.assign(s_per_pflop=times["steady_s"] / (times["train_flops"] / 1e15))
+    per = times.assign(s_per_pflop=times[col] / (times["train_flops"] / 1e15))
     med = per.groupby("arch")["s_per_pflop"].median()
     rows = []
     for arch, runs in per.groupby("arch", sort=True):
         best = runs.loc[runs["val_loss"].idxmin()]
         vs = f"{med[arch] / med['dense']:.3f}" if "dense" in med else "-"
-        rows.append([arch, len(runs), _g(med[arch]), vs, _g(best["val_loss"]), _g(best["steady_s"], 3),
+        rows.append([arch, len(runs), _g(med[arch]), vs, _g(best["val_loss"]), _g(best[col], 3),
                      _g(best["wall_s"], 3)])  # fmt: skip
-    head = ["arch", "runs", "steady s per PFLOP", "vs dense", "best loss", "its steady s", "its wall s"]
+    head = ["arch", "runs", "s per PFLOP", "vs dense", "best loss", "its time (s)", "its wall s"]
     return lines + _table(head, rows)
 
 

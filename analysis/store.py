@@ -17,7 +17,7 @@ import duckdb
 from analysis.errors import AnalysisError
 from analysis.published import is_published, load
 from analysis.records import Forecast, IsoflopFit, ParametricFit
-from mixdepth.results import USAGE_COLUMNS, StoreError, Writer, connect, store_files, writer
+from mixdepth.results import SHAPE_KEY, USAGE_COLUMNS, StoreError, Writer, connect, store_files, writer
 
 if TYPE_CHECKING:  # pandas is only needed once points are loaded (duckdb's .df() imports it)
     import pandas as pd
@@ -133,13 +133,25 @@ def load_points(con: duckdb.DuckDBPyConnection, sweep_id: str | None) -> pd.Data
 
 def load_times(con: duckdb.DuckDBPyConnection, sweep_id: str | None) -> pd.DataFrame:
     """Each finished run's loss and time: arch, budget, n, val_loss, train_flops, wall_s (its fit, compilation
-    included) and steady_s (tokens at its steady-state rate); ordered by arch, budget, n."""
+    included), steady_s (tokens at its steady-state rate, beside whatever shared its device) and alone_s (tokens at
+    its shape's rate alone, ``python -m sweeps alone``; NULL where not measured); ordered by arch, budget, n."""
+    alone = "alone_rates" in {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+    join = f" LEFT JOIN alone_rates a ON a.sweep_id = r.sweep_id AND a.shape = {SHAPE_KEY}" if alone else ""
     return con.execute(
-        "SELECT arch, budget, params_nonembed AS n, val_loss, train_flops, wall_s, tokens / tokens_per_s AS steady_s"
-        " FROM runs WHERE sweep_id IS NOT DISTINCT FROM ? AND status = 'ok' AND val_loss IS NOT NULL"
-        " AND tokens_per_s > 0 ORDER BY arch, budget, n",
+        "SELECT r.arch, r.budget, r.params_nonembed AS n, r.val_loss, r.train_flops, r.wall_s,"
+        f" r.tokens / r.tokens_per_s AS steady_s, {'r.tokens / a.tokens_per_s' if alone else 'NULL'} AS alone_s"
+        f" FROM runs r{join} WHERE r.sweep_id IS NOT DISTINCT FROM ? AND r.status = 'ok' AND r.val_loss IS NOT NULL"
+        " AND r.tokens_per_s > 0 ORDER BY r.arch, r.budget, n",
         [sweep_id],
     ).df()
+
+
+def time_basis(times: pd.DataFrame) -> tuple[str, str]:
+    """(column, what it is) of ``load_times`` rows the time-matched view uses: each run at its shape's rate alone
+    when every run has one, else at its own steady rate."""
+    if len(times) and times["alone_s"].notna().all():
+        return "alone_s", "at each shape's steady rate alone"
+    return "steady_s", "at each run's steady rate"
 
 
 def load_claim_runs(con: duckdb.DuckDBPyConnection, sweep_id: str | None) -> pd.DataFrame:

@@ -1,7 +1,7 @@
 """``python -m sweeps isoflop [--preset NAME] [--db PATH] [--conf DIR] [--dry-run | --enqueue-only | --print-config]
 [key=value ...]``,
 ``worker --storage URL [--sweep ID] [--workers N] [train.key=value ...]``, ``collect --storage URL [--db PATH]
-[--sweep ID]`` and ``status [--db PATH] [--storage URL]``.
+[--sweep ID]``, ``alone [--db PATH] [--sweep ID] [--steps N]`` and ``status [--db PATH] [--storage URL]``.
 
 The one place that knows paths: the config folder (read once by ``load_config``: ``--conf``, else the presets that
 ship inside the package), the DuckDB store, the Optuna journal beside it, the report, checkpoint and logger folders;
@@ -64,6 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     wk.add_argument("--sweep", help="only this sweep id (default: every sweep in the storage)")
     wk.add_argument("--workers", type=int, default=0, help="runs at once (default: one per visible GPU, else 1)")
     wk.add_argument("overrides", nargs="*", help="this host's train keys, e.g. train.devices=2 train.ckpt_dir=/x")
+    al = sub.add_parser("alone", help="time each shape of a sweep's runs alone on this device (time-matched view)")
+    al.add_argument("--db", type=Path, default=Path("results.db"), help="DuckDB file (default: results.db)")
+    al.add_argument("--sweep", help="sweep id (default: the one with the newest run)")
+    al.add_argument("--steps", type=int, default=100, help="training steps per shape (default: 100)")
     co = sub.add_parser("collect", help="store the finished runs of a storage's sweeps in a database")
     co.add_argument("--storage", required=True, help="storage URL")
     co.add_argument("--db", type=Path, default=Path("results.db"), help="DuckDB file (default: results.db)")
@@ -99,6 +103,15 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         signal.signal(signal.SIGTERM, _interrupt)
+        if args.cmd == "alone":
+            from analysis.errors import AnalysisError
+            from sweeps.alone import measure
+
+            try:
+                measure(_paths(args.db), args.sweep, args.steps)
+            except AnalysisError as e:
+                raise StoreError(str(e)) from None
+            return 0
         if args.cmd == "worker":
             from sweeps.worker import serve
 
@@ -136,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         if args.cmd == "worker":
             print("interrupted: finished runs are in the storage, unfinished ones queued again", file=sys.stderr)
+        elif args.cmd == "alone":
+            print("interrupted: the shapes timed so far are in the database; rerun to time the rest", file=sys.stderr)
         else:
             print("interrupted: finished runs are in the database; rerun the same command to resume", file=sys.stderr)
         return 130

@@ -2,6 +2,7 @@
 
 import datetime as dt
 import json
+import shutil
 
 import duckdb
 import pytest
@@ -9,7 +10,7 @@ import pytest
 from analysis.__main__ import main
 from analysis.pipeline import OUTPUT_NAMES
 from analysis.synthetic import fake_runs
-from mixdepth.results import add_run, add_sweep, connect, put_usage
+from mixdepth.results import SHAPE_KEY, add_run, add_sweep, connect, put_alone_rate, put_usage
 from mixdepth.usage import PARTS
 
 PROVENANCE = {"planned": 30, "version": "0.9", "commit": "abc1234", "command": "python3 -m sweeps isoflop --preset x"}
@@ -26,11 +27,15 @@ def store(tmp_path):
         for row in fake_runs("s1", arch, budgets=budgets, sizes_per_budget=5, flops_scale=scale):
             rate = 1e6 / scale**1.3  # tokens/s: MoD's cheaper tokens run faster than their FLOPs alone say
             row |= {"device": "NVIDIA H200", "precision": "bf16-mixed", "versions": {"torch": "2.11.0"},
-                    "tokens_per_s": rate, "wall_s": 5.0 + row["tokens"] / rate}  # fmt: skip
+                    "tokens_per_s": rate, "wall_s": 5.0 + row["tokens"] / rate,
+                    "config": {"model": {"arch": arch, "n": row["params_nonembed"]}}}  # fmt: skip
             add_run(con, row, [{"step": s, "tokens": 10 * s, "flops": 1.0 * s, "train_loss": 5.0 / s, "lr": 1e-3}
                                for s in (1, 2)])  # fmt: skip
     for row in fake_runs("other", "dense", budgets=(1e15,), sizes_per_budget=3):
         add_run(con, row, [{"step": 1, "tokens": 10, "flops": 1.0, "train_loss": 5.0, "lr": 1e-3}])
+    for shape, arch in con.execute(f"SELECT DISTINCT {SHAPE_KEY}, arch FROM runs WHERE sweep_id = 's1'").fetchall():
+        put_alone_rate(con, {"sweep_id": "s1", "shape": shape, "arch": arch, "steps": 100, "tokens_per_s": 4e6,
+                             "device": "NVIDIA H200"})  # fmt: skip
     put_usage(con, {
         "sweep_id": "s1", "started_at": dt.datetime(2026, 12, 2, 17, 39), "wall_s": 300.0, "gpus": 1,
         "peak_flops": 9.895e14, "train_flops": 4e16, "runs": 30, "utilisation": 0.133,
@@ -43,9 +48,11 @@ def store(tmp_path):
 def test_publish_writes_the_sweeps_rows_and_its_provenance(store, tmp_path, capsys):
     out = tmp_path / "published"
     assert main(["publish", "--db", str(store), "--sweep", "s1", "--out", str(out)]) == 0
-    assert capsys.readouterr().out == f"published sweep s1 to {out}: 1 sweeps, 30 runs, 60 curves, 1 sweep_usage\n"
+    assert capsys.readouterr().out == (
+        f"published sweep s1 to {out}: 1 sweeps, 30 runs, 60 curves, 1 sweep_usage, 30 alone_rates\n"
+    )
     count = lambda t: duckdb.sql(f"SELECT count(*) FROM '{out / t}.parquet'").fetchall()[0][0]  # noqa: E731
-    assert [count(t) for t in ("sweeps", "runs", "curves", "sweep_usage")] == [1, 30, 60, 1]
+    assert [count(t) for t in ("sweeps", "runs", "curves", "sweep_usage", "alone_rates")] == [1, 30, 60, 1, 30]
     assert duckdb.sql(f"SELECT DISTINCT sweep_id FROM '{out}/runs.parquet'").fetchall() == [("s1",)]
     readme = (out / "README.md").read_text()
     for fact in ("# Sweep s1", "Preset `isoflop_h200`", "commit abc1234", "`python3 -m sweeps isoflop --preset x`",
@@ -63,6 +70,12 @@ def test_every_reading_command_takes_the_folder_as_the_store(store, tmp_path, ca
     assert original["archs"][0]["isoflop"]["n_opt"] is not None  # a real fit was compared
     text = (tmp_path / "from_files" / "report.md").read_text()
     assert "abc1234" in text and "13.3%" in text  # provenance and the stored utilisation came along
+    assert "steady rate trained alone on the device" in text  # and the rates alone
+    old = tmp_path / "old_folder"  # published before the table existed
+    shutil.copytree(out, old)
+    (old / "alone_rates.parquet").unlink()
+    assert main(["report", "--db", str(old), "--sweep", "s1", "--out", str(tmp_path / "old")]) == 0
+    assert "**These runs shared a GPU**" in (tmp_path / "old" / "report.md").read_text()
     capsys.readouterr()
     assert main(["query", "--db", str(out), "SELECT count(*) AS n FROM frontier"]) == 0
     assert "6" in capsys.readouterr().out  # 2 archs x 3 budgets: the views work on the loaded rows
@@ -87,16 +100,26 @@ def test_a_folder_that_is_not_a_published_sweep(tmp_path, capsys):
 
 
 def test_the_report_shows_the_runs_against_time(store, tmp_path):
-    """The time-matched view: seconds per PFLOP against dense's, each arch's best loss with its time, the figure."""
-    assert main(["report", "--db", str(store), "--sweep", "s1", "--out", str(tmp_path / "r")]) == 0
-    text = (tmp_path / "r" / "report.md").read_text()
-    section = text[text.index("## Time-matched view") :].split("\n## ")[0]
-    assert "shared a GPU with others" in section  # the stored usage says the runs shared it under MPS
-    rows = {
-        line.split(" | ")[0].strip("| "): line.split(" | ") for line in section.splitlines() if line.startswith("| ")
-    }
+    """The time-matched view: seconds per PFLOP against dense's, each arch's best loss with its time, the figure;
+    each run at its shape's rate alone where measured, else at its own rate with a warning when the GPU was shared."""
+
+    def section(out):
+        assert main(["report", "--db", str(store), "--sweep", "s1", "--out", str(out)]) == 0
+        text = (out / "report.md").read_text()
+        part = text[text.index("## Time-matched view") :].split("\n## ")[0]
+        rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in part.splitlines() if line[:2] == "| "}
+        return text, part, rows
+
+    text, part, rows = section(tmp_path / "alone")
+    assert "trained alone on the device" in part and "shared a GPU" not in part
+    assert rows["mod"][3] == "1.000" and rows["mod"][1] == "15"  # every shape at 4e6 tokens/s alone
+    con = connect(store)
+    con.execute("DELETE FROM alone_rates")
+    con.close()
+    text, part, rows = section(tmp_path / "r")
+    assert "**These runs shared a GPU**" in part  # the stored usage says the runs shared it under MPS
     # the same tokens and training FLOPs per (budget, N) for both archs (fake_runs), MoD at 0.6**-1.3 x dense's rate
     assert float(rows["mod"][3]) == pytest.approx(0.6**1.3, abs=1e-3) and rows["dense"][3] == "1.000"
-    assert rows["mod"][1] == "15" and (tmp_path / "r" / "time_frontier.png").stat().st_size > 10_000
+    assert (tmp_path / "r" / "time_frontier.png").stat().st_size > 10_000
     assert "![time_plot](time_frontier.png)" in text
     assert {p.name for p in (tmp_path / "r").iterdir()} <= set(OUTPUT_NAMES)  # the CLI guards each of them

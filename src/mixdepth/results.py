@@ -150,6 +150,10 @@ CREATE TABLE IF NOT EXISTS sweep_usage (
     sweep_id VARCHAR, started_at TIMESTAMP, wall_s DOUBLE, gpus INTEGER, peak_flops DOUBLE, train_flops DOUBLE,
     runs INTEGER, utilisation DOUBLE, parts JSON
 );
+CREATE TABLE IF NOT EXISTS alone_rates (
+    sweep_id VARCHAR, shape VARCHAR, arch VARCHAR, d_model INTEGER, n_layers INTEGER, steps INTEGER,
+    tokens_per_s DOUBLE, mfu DOUBLE, peak_flops DOUBLE, device VARCHAR, versions JSON, measured_at TIMESTAMP
+);
 CREATE OR REPLACE VIEW isoflop_points AS
     SELECT sweep_id, arch, budget, run_id, params_nonembed AS n, params_total, params_active, tokens AS d,
            flops_per_token, train_flops, val_loss, val_loss_causal, seed
@@ -524,6 +528,27 @@ def put_usage(con: duckdb.DuckDBPyConnection, row: Mapping[str, Any]) -> None:
     con.execute(
         f"INSERT INTO sweep_usage ({', '.join(USAGE_COLUMNS)}) VALUES ({', '.join('?' * len(USAGE_COLUMNS))})",
         [_json(row.get(c)) for c in USAGE_COLUMNS],
+    )
+
+
+# A run's shape for ``alone_rates``: its model config (runs of one shape differ in seed, budget and steps only).
+SHAPE_KEY = "md5(CAST(json_extract(config, '$.model') AS VARCHAR))"
+ALONE_COLUMNS = (
+    "sweep_id", "shape", "arch", "d_model", "n_layers", "steps", "tokens_per_s", "mfu", "peak_flops", "device",
+    "versions",
+)  # fmt: skip
+
+
+def put_alone_rate(con: duckdb.DuckDBPyConnection, row: Mapping[str, Any]) -> None:
+    """Record the steady rate of one shape of a sweep trained alone on its device (``sweeps.alone``), replacing an
+    earlier one of the same shape."""
+    if unknown := set(row) - set(ALONE_COLUMNS):
+        raise StoreError(f"unknown alone_rates columns: {sorted(unknown)}")
+    con.execute("DELETE FROM alone_rates WHERE sweep_id = ? AND shape = ?", [row["sweep_id"], row["shape"]])
+    con.execute(
+        f"INSERT INTO alone_rates ({', '.join(ALONE_COLUMNS)}, measured_at)"
+        f" VALUES ({', '.join('?' * len(ALONE_COLUMNS))}, now())",
+        [_json(row.get(c)) for c in ALONE_COLUMNS],
     )
 
 

@@ -1,0 +1,116 @@
+"""python -m sweeps alone: every shape of a sweep timed alone, stored once, resumed, and used by the time view."""
+
+import shutil
+import subprocess
+import sys
+
+import duckdb
+import pytest
+
+from analysis.store import load_times, resolve_sweep, time_basis
+from mixdepth.results import SHAPE_KEY, connect
+
+SMALL = [  # 4 runs of 2 shapes (d 16 and d 24 at 2 budgets), one thread per process
+    "sweep.name=small",
+    "sweep.archs=[dense]",
+    "sweep.budgets=[1e9,2e9]",
+    "sweep.ladder=[{d_model: 16, n_layers: 1, n_heads: 2}, {d_model: 24, n_layers: 1, n_heads: 2}]",
+    "sweep.min_steps=4",
+    "sweep.max_extra=0",
+    "data.seq_len=32",
+    "data.max_bytes=300000",
+    "data.val_tokens=2048",
+    "train.batch_size=4",
+    "train.log_every=5",
+    "train.progress=false",
+    "train.threads=1",
+]
+
+
+@pytest.fixture(scope="module")
+def timed(tmp_path_factory, cli_env):
+    """The SMALL sweep, then ``sweeps alone`` on it twice (the second finds nothing left)."""
+    d = tmp_path_factory.mktemp("alone")
+    env = {k: v for k, v in cli_env.items() if k != "TRITON_INTERPRET"}
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "sweeps", *args], cwd=d, capture_output=True, text=True,
+                              timeout=600, env=env)  # fmt: skip
+
+    swept = run("isoflop", "--db", str(d / "r.db"), *SMALL)
+    assert swept.returncode == 0, swept.stderr[-2000:]
+    shutil.copy(d / "r.db", d / "before.db")
+    first = run("alone", "--db", str(d / "r.db"), "--steps", "20")
+    second = run("alone", "--db", str(d / "r.db"), "--steps", "20")
+    return d, run, first, second
+
+
+def _rates(db):
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        return con.execute(
+            "SELECT arch, d_model, n_layers, steps, tokens_per_s, device, measured_at FROM alone_rates ORDER BY d_model"
+        ).fetchall()
+    finally:
+        con.close()
+
+
+def test_each_shape_is_timed_once(timed):
+    d, _, first, second = timed
+    assert first.returncode == 0, first.stderr
+    lines = first.stdout.splitlines()
+    assert lines[0].endswith(": 2 shapes to time alone, 20 steps each"), lines
+    assert lines[1].startswith("[1/2] dense d_model=16 layers=1: ") and lines[1].endswith(" tokens/s alone")
+    rates = _rates(d / "r.db")
+    assert [(a, dm, nl, s) for a, dm, nl, s, *_ in rates] == [("dense", 16, 1, 20), ("dense", 24, 1, 20)]
+    assert all(r[4] > 0 and r[5].startswith("cpu:") for r in rates)
+    assert second.returncode == 0 and second.stdout.splitlines() == [
+        first.stdout.splitlines()[0].replace("2 shapes", "0 shapes")
+    ]
+    assert _rates(d / "r.db") == rates  # nothing measured again
+
+
+def test_the_time_view_prices_each_run_at_its_shapes_rate_alone(timed):
+    d, *_ = timed
+    con = duckdb.connect(str(d / "r.db"), read_only=True)
+    times = load_times(con, resolve_sweep(con, None))
+    want = con.execute(
+        f"SELECT r.tokens / a.tokens_per_s FROM runs r JOIN alone_rates a ON a.shape = {SHAPE_KEY}"
+        " ORDER BY r.arch, r.budget, r.params_nonembed"
+    ).fetchall()
+    con.close()
+    assert len(times) == 4 and list(times["alone_s"]) == pytest.approx([w for (w,) in want])
+    assert time_basis(times)[0] == "alone_s"
+    con = duckdb.connect(str(d / "before.db"), read_only=True)
+    before = load_times(con, resolve_sweep(con, None))
+    con.close()
+    assert before["alone_s"].isna().all() and time_basis(before)[0] == "steady_s"
+
+
+def test_a_store_without_the_table_reads_as_unmeasured(tmp_path):
+    con = connect(tmp_path / "old.db")
+    con.execute("DROP TABLE alone_rates")  # a store written before the table existed, opened read-only
+    assert load_times(con, None).columns.tolist()[-1] == "alone_s"
+    con.close()
+
+
+def test_bad_input_is_one_line_and_writes_nothing(timed):
+    d, run, *_ = timed
+    for args, code, err in (
+        (["--steps", "5"], 2, "error: --steps must be at least 20, got 5"),
+        (["--sweep", "nope"], 1, "error: sweep 'nope' has no finished runs (sweeps with runs: "),
+    ):
+        r = run("alone", "--db", str(d / "before.db"), *args)
+        assert r.returncode == code and r.stderr.startswith(err) and len(r.stderr.splitlines()) == 1, r.stderr
+    r = run("alone", "--db", str(d / "missing.db"))
+    assert r.returncode == 1 and r.stderr == f"error: database {d / 'missing.db'} does not exist\n"
+    assert not (d / "missing.db").exists()
+    gpu = d / "gpu.db"
+    shutil.copy(d / "before.db", gpu)
+    con = duckdb.connect(str(gpu))
+    con.execute("UPDATE runs SET device = 'NVIDIA H200'")
+    con.close()
+    r = run("alone", "--db", str(gpu))
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert "the sweep's runs trained on NVIDIA H200; this process runs on cpu:" in r.stderr
+    assert _rates(gpu) == []

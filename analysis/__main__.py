@@ -160,7 +160,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
 
     with held(args.db, write=True) as store, session(store) as con:
         sid = resolve_sweep(con, args.sweep)
-        fits = fit_points(load_points(con, sid), sid, holdout=args.holdout)
+        fits = fit_points(load_points(con, sid), sid, holdout=args.holdout, processes=None)
         n_rows = store_fits(con, fits)
     print(json.dumps(fits.to_dict(), indent=2) if args.json else _summary(fits) + f"\nwrote {n_rows} fits rows")
     return 0
@@ -173,7 +173,7 @@ def _cmd_forecast(args: argparse.Namespace) -> int:
     with session(args.db) as con:
         sid = resolve_sweep(con, args.sweep)
         points = load_points(con, sid)
-    fits = fit_points(points, sid, holdout=args.holdout)
+    fits = fit_points(points, sid, holdout=args.holdout, processes=None)
     if args.json:
         print(json.dumps({a.arch: [f.to_dict() for f in a.forecasts] for a in fits.archs}, indent=2))
         return 0
@@ -190,7 +190,13 @@ def _cmd_outputs(args: argparse.Namespace) -> int:
     refuse_store_files(args.db, [Path(args.out), *(Path(args.out) / name for name in OUTPUT_NAMES)])
     is_report = args.command == "report"
     paths = run_all(
-        args.db, args.sweep, args.out, holdout=args.holdout, store=is_report and args.store, report=is_report
+        args.db,
+        args.sweep,
+        args.out,
+        holdout=args.holdout,
+        store=is_report and args.store,
+        report=is_report,
+        processes=None,
     )
     for name, path in paths.items():
         print(f"{name}: {path}")

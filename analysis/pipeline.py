@@ -9,8 +9,10 @@ N is the view's ``n`` (non-embedding parameters), D its ``d`` (tokens trained), 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -135,7 +137,12 @@ def _fit_series(arch: str, pts: pd.DataFrame, loss_col: str, holdout: int) -> Ar
 
 
 def fit_points(
-    points: pd.DataFrame, sweep_id: str | None = None, *, holdout: int = 1, causal: bool = True
+    points: pd.DataFrame,
+    sweep_id: str | None = None,
+    *,
+    holdout: int = 1,
+    causal: bool = True,
+    processes: int | None = 1,
 ) -> SweepFits:
     """Fit Approaches 2 and 3 for every series of a sweep's points, and forecast its largest budgets.
 
@@ -144,13 +151,21 @@ def fit_points(
         sweep_id: recorded on the result.
         holdout: largest budgets each series forecasts from the others (0: no forecast).
         causal: also fit ``<arch>:causal`` series.
+        processes: fit the series in this many spawned processes (None: one per core this process may use); the
+            fits are single-threaded, deterministic and independent, so the result is the same. Spawning runs the
+            caller's main module again, so a script that passes more than 1 needs ``if __name__ == "__main__"``
+            (the command lines do).
     """
     long = series_points(points, causal=causal)
-    out = []
-    for arch in sorted(long["arch"].unique()):
-        loss_col = "val_loss_causal" if arch.endswith(":causal") else "val_loss"
-        out.append(_fit_series(arch, long[long["arch"] == arch], loss_col, holdout))
-    return SweepFits(sweep_id, tuple(out))
+    jobs = [
+        (a, long[long["arch"] == a], "val_loss_causal" if a.endswith(":causal") else "val_loss", holdout)
+        for a in sorted(long["arch"].unique())
+    ]  # fmt: skip
+    workers = min(len(jobs), processes or len(os.sched_getaffinity(0)))
+    if workers <= 1:
+        return SweepFits(sweep_id, tuple(_fit_series(*job) for job in jobs))
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:  # torch's threads
+        return SweepFits(sweep_id, tuple(pool.map(_fit_series, *zip(*jobs, strict=True))))
 
 
 def store_fits(con: duckdb.DuckDBPyConnection, fits: SweepFits) -> int:
@@ -208,6 +223,7 @@ def run_all(
     plots: bool = True,
     report: bool = True,
     before_report: Callable[[], None] | None = None,
+    processes: int | None = 1,
 ) -> dict[str, Path]:
     """Fit a sweep, write its ``fits`` rows, figures, ``fits.json`` and ``report.md``.
 
@@ -222,6 +238,7 @@ def run_all(
         report: write ``report.md``.
         before_report: called once the fits and figures are done, before the report reads the store's summary
             (the sweep runner records its utilisation up to the report there).
+        processes: ``fit_points``'s.
 
     Returns:
         Paths written, keyed "fits_json", "isoflop_plot", "frontier_plot", "forecast_plot" (when a series has a
@@ -239,7 +256,7 @@ def run_all(
             curves = load_curves(con, sid) if plots else None
             times = load_times(con, sid)
             claim_runs = load_claim_runs(con, sid)
-        fits = fit_points(points, sid, holdout=holdout)
+        fits = fit_points(points, sid, holdout=holdout, processes=processes)
         if store:
             with session(db) as con:
                 store_fits(con, fits)

@@ -354,7 +354,7 @@ def _run(
 
     from analysis.pipeline import run_all
 
-    written = run_all(store, sid, paths.reports / sid, before_report=record_usage)
+    written = run_all(store, sid, paths.reports / sid, before_report=record_usage, processes=None)
     for row in measured:
         print("\n".join(usage.lines(row)))
     print(f"results: {paths.db}")

@@ -41,6 +41,9 @@ from analysis.store import (
 from mixdepth.results import Writer, add_fits
 
 MIN_PARAMETRIC_POINTS = 6
+# A spawned process spends ~2 s importing before it fits: two do not win that back (2 series of 6 runs: 5.1 s vs 3.0 s
+# here; the 59-run H200 sweep's 7 series on 2 busy cores: 17.5 s vs 21.0 s).
+MIN_PROCESSES = 3
 
 
 @dataclass(frozen=True)
@@ -151,10 +154,10 @@ def fit_points(
         sweep_id: recorded on the result.
         holdout: largest budgets each series forecasts from the others (0: no forecast).
         causal: also fit ``<arch>:causal`` series.
-        processes: fit the series in this many spawned processes (None: one per core this process may use); the
-            fits are single-threaded, deterministic and independent, so the result is the same. Spawning runs the
-            caller's main module again, so a script that passes more than 1 needs ``if __name__ == "__main__"``
-            (the command lines do).
+        processes: fit the series in this many spawned processes (None: one per core this process may use) when
+            that makes at least ``MIN_PROCESSES``, else here; the fits are single-threaded, deterministic and
+            independent, so the result is the same. Spawning runs the caller's main module again, so a script
+            that asks for processes needs ``if __name__ == "__main__"`` (the command lines have it).
     """
     long = series_points(points, causal=causal)
     jobs = [
@@ -162,7 +165,7 @@ def fit_points(
         for a in sorted(long["arch"].unique())
     ]  # fmt: skip
     workers = min(len(jobs), processes or len(os.sched_getaffinity(0)))
-    if workers <= 1:
+    if workers < MIN_PROCESSES:
         return SweepFits(sweep_id, tuple(_fit_series(*job) for job in jobs))
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:  # torch's threads
         return SweepFits(sweep_id, tuple(pool.map(_fit_series, *zip(*jobs, strict=True))))

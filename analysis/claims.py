@@ -147,9 +147,11 @@ def _predictor(runs: pd.DataFrame, spread: dict[float, dict[str, Any]], arch: st
     return rows
 
 
-def _forecasts(fits: SweepFits) -> list[ClaimRow]:
-    """Each plain series' forecast of its held-out budget's L*: held when the measured vertex lies in the 90%
-    prediction interval (which holds the measurement's noise)."""
+def _forecasts(fits: SweepFits, runs: pd.DataFrame) -> list[ClaimRow]:
+    """Each plain series' forecast of its held-out budget's L*: reproduced when the measured vertex lies in the 90%
+    prediction interval (which holds the measurement's noise) and that interval lies below the series' best loss
+    at the largest fitted budget (else it does not even say that the loss falls: not resolved)."""
+    best = best_points(runs).set_index(["arch", "budget"])["loss"]
     rows = []
     for a in fits.archs:
         if a.arch.endswith(":causal"):
@@ -161,11 +163,17 @@ def _forecasts(fits: SweepFits) -> list[ClaimRow]:
                 rows.append(ClaimRow(FORECAST_CLAIM, f.budget, compared, "–", None, None, None, None,
                                      f"not resolved: {why}"))  # fmt: skip
                 continue
-            inside = f.loss_lo <= f.loss_obs <= f.loss_hi
             measured = f"predicted {f.loss_pred:.4g} [{f.loss_lo:.4g}, {f.loss_hi:.4g}], measured {f.loss_obs:.4g}"
+            last = best.get((a.arch, max(f.fit_budgets)))
+            if not f.loss_lo <= f.loss_obs <= f.loss_hi:
+                verdict = "refuted: measured outside the interval"
+            elif last is not None and f.loss_hi >= last:
+                at = f"C = {max(f.fit_budgets):.3g} ({last:.4g})"
+                verdict = f"not resolved: the interval reaches the best loss at {at}"
+            else:
+                verdict = "reproduced"
             rows.append(ClaimRow(FORECAST_CLAIM, f.budget, compared, measured, f.loss_obs - f.loss_pred,
-                                 f.loss_lo - f.loss_pred, f.loss_hi - f.loss_pred, None,
-                                 "reproduced" if inside else "refuted: measured outside the interval"))  # fmt: skip
+                                 f.loss_lo - f.loss_pred, f.loss_hi - f.loss_pred, None, verdict))  # fmt: skip
     return rows
 
 
@@ -182,4 +190,4 @@ def check(runs: pd.DataFrame, fits: SweepFits | None = None) -> list[ClaimRow]:
     """
     spread = {r["budget"]: r for r in seed_spread(runs)}
     rows = [row for c in COMPARISONS for row in _compare(runs, spread, c)] + _predictor(runs, spread)
-    return rows + (_forecasts(fits) if fits is not None else [])
+    return rows + (_forecasts(fits, runs) if fits is not None else [])

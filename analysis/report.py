@@ -318,7 +318,7 @@ def _claims_lines(claims: Sequence[ClaimRow]) -> list[str]:
         "(equal training FLOPs) or of the baseline's best shape for both (equal parameters). Reproduced: the 90%",
         "interval of the difference lies on the claim's side of 0; refuted: on the other side; not resolved: it holds",
         "0, or the seed spread was not measured (sweep.seeds). A forecast is reproduced when the measured optimum lies",
-        "in its 90% prediction interval.",
+        "in its 90% prediction interval and that interval lies below the best loss at the largest fitted budget.",
         "",
     ]
     rows = [

@@ -90,20 +90,25 @@ def test_the_predictor_claim(accuracy, causal, verdict):
     assert r.verdict == "not resolved: the sweep has no mod runs"
 
 
-def test_forecasts_are_reproduced_inside_their_interval():
-    def cast(obs):
-        return Forecast(1e17, "parametric", (1e15, 1e16), loss_pred=2.0, loss_lo=1.9, loss_hi=2.1, loss_obs=obs)
+def test_forecasts_are_reproduced_inside_an_interval_that_says_the_loss_falls():
+    def cast(obs, hi=1.3):
+        return Forecast(1e17, "parametric", (1e15, 1e16), loss_pred=1.2, loss_lo=1.1, loss_hi=hi, loss_obs=obs)
 
     fits = SweepFits("s", (
-        ArchFits("dense", "val_loss", 9, None, None, forecasts=(cast(2.05),)),
-        ArchFits("mod", "val_loss", 9, None, None, forecasts=(cast(2.2), cast(None))),
-        ArchFits("mod:causal", "val_loss_causal", 9, None, None, forecasts=(cast(2.0),)),
+        ArchFits("dense", "val_loss", 9, None, None, forecasts=(cast(1.25), cast(1.25, hi=1.5))),
+        ArchFits("mod", "val_loss", 9, None, None, forecasts=(cast(1.35), cast(None))),
+        ArchFits("mod:causal", "val_loss_causal", 9, None, None, forecasts=(cast(1.2),)),
     ))  # fmt: skip
-    rows = [r for r in check(_runs(offsets={"dense": 0.0}), fits) if r.claim == FORECAST_CLAIM]
-    assert [r.verdict for r in rows] == ["reproduced", "refuted: measured outside the interval",
-                                         "not resolved: no measured vertex"]  # fmt: skip
+    runs = _runs(offsets={"dense": 0.0, "mod": -0.1})  # best at 1e16: 1.4 (dense), 1.3 (mod), each give or take 0.01
+    rows = [r for r in check(runs, fits) if r.claim == FORECAST_CLAIM]
+    last = runs[(runs["arch"] == "dense") & (runs["budget"] == 1e16) & (runs["d_model"] == 96)]["loss"].iloc[0]
+    assert [r.verdict for r in rows] == [
+        "reproduced", f"not resolved: the interval reaches the best loss at C = 1e+16 ({last:.4g})",
+        "refuted: measured outside the interval", "not resolved: no measured vertex",
+    ]  # fmt: skip
     assert rows[0].diff == pytest.approx(0.05) and (rows[0].lo, rows[0].hi) == pytest.approx((-0.1, 0.1))
-    assert rows[1].compared == "mod, parametric fitted on C = 1e+15, 1e+16"
+    assert last == pytest.approx(1.4, abs=0.05)
+    assert rows[2].compared == "mod, parametric fitted on C = 1e+15, 1e+16"
 
 
 def test_report_shows_each_claim_with_its_interval():

@@ -104,13 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         signal.signal(signal.SIGTERM, _interrupt)
         if args.cmd == "alone":
-            from analysis.errors import AnalysisError
             from sweeps.alone import measure
 
-            try:
-                measure(_paths(args.db), args.sweep, args.steps)
-            except AnalysisError as e:
-                raise StoreError(str(e)) from None
+            measure(_paths(args.db), args.sweep, args.steps)
             return 0
         if args.cmd == "worker":
             from sweeps.worker import serve

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from mixdepth import results
 from mixdepth.config import ConfigError, DataConfig, TrainConfig
-from mixdepth.launch import resolve_device
+from mixdepth.launch import check_devices, resolve_device
 from mixdepth.models import MODELS
 from mixdepth.train import RunConfig, device_name
 from sweeps.paths import SweepPaths
@@ -28,7 +28,7 @@ def pending(con, sweep_id: str) -> list[tuple[str, str, dict]]:
     """(shape key, arch, stored config) of every shape of the sweep's finished runs without a rate yet."""
     rows = con.execute(
         f"SELECT {results.SHAPE_KEY} AS shape, min(arch), min(CAST(config AS VARCHAR)) FROM runs"
-        " WHERE sweep_id = ? AND status = 'ok' GROUP BY shape"
+        " WHERE sweep_id = ? AND status = 'ok' AND config IS NOT NULL GROUP BY shape"
         " HAVING shape NOT IN (SELECT shape FROM alone_rates WHERE sweep_id = ?) ORDER BY 2, 3",
         [sweep_id, sweep_id],
     ).fetchall()
@@ -49,9 +49,12 @@ def measure(paths: SweepPaths, sweep_id: str | None, steps: int) -> int:
     """Measure the sweep's (the newest one's when None) unmeasured shapes; returns how many were measured.
 
     Raises:
-        ConfigError: ``steps`` below MIN_STEPS, or the sweep's runs trained on another kind of device.
-        mixdepth.results.StoreError: the database is missing, in use by another writer, or unwritable.
+        ConfigError: ``steps`` below MIN_STEPS, the sweep's train settings need devices this host lacks, or its
+            runs trained on another kind of device.
+        mixdepth.results.StoreError: the database is missing, in use by another writer or unwritable, or the sweep
+            has no finished runs.
     """
+    from analysis.errors import AnalysisError
     from analysis.store import resolve_sweep
 
     if steps < MIN_STEPS:
@@ -60,16 +63,21 @@ def measure(paths: SweepPaths, sweep_id: str | None, steps: int) -> int:
         raise results.StoreError(f"database {paths.db} does not exist")
     with results.writer(paths.db) as w:
         with w.session() as con:
-            sid = resolve_sweep(con, sweep_id)
+            try:
+                sid = resolve_sweep(con, sweep_id)
+            except AnalysisError as e:
+                raise results.StoreError(str(e)) from None
             todo = pending(con, sid)
             devices = sorted(d for (d,) in con.execute(
                 "SELECT DISTINCT device FROM runs WHERE sweep_id = ? AND status = 'ok'", [sid]).fetchall())  # fmt: skip
-        print(f"sweep {sid}: {len(todo)} shape{'s' * (len(todo) != 1)} to time alone, {steps} steps each", flush=True)
-        for k, (shape, arch, config) in enumerate(todo, 1):
-            run = run_config(config, steps)
-            here = device_name(resolve_device(run.train)[0])
+        runs = [(shape, arch, run_config(config, steps)) for shape, arch, config in todo]
+        if runs:  # one train section for the whole sweep: its devices are checked once, before any training
+            check_devices(runs[0][2].train)
+            here = device_name(resolve_device(runs[0][2].train)[0])
             if here.split(":")[0] not in {d.split(":")[0] for d in devices}:  # a CPU's name also says its threads
                 raise ConfigError(f"the sweep's runs trained on {', '.join(devices)}; this process runs on {here}")
+        print(f"sweep {sid}: {len(runs)} shape{'s' * (len(runs) != 1)} to time alone, {steps} steps each", flush=True)
+        for k, (shape, arch, run) in enumerate(runs, 1):
             m = fit_fresh(run).metrics
             row = {
                 "sweep_id": sid, "shape": shape, "arch": arch, "d_model": run.model.d_model,
@@ -79,6 +87,6 @@ def measure(paths: SweepPaths, sweep_id: str | None, steps: int) -> int:
             with w.session() as con:
                 results.put_alone_rate(con, row)
             mfu = f", MFU {m.mfu:.1%}" if m.mfu is not None else ""
-            print(f"[{k}/{len(todo)}] {arch} d_model={run.model.d_model} layers={run.model.n_layers}:"
+            print(f"[{k}/{len(runs)}] {arch} d_model={run.model.d_model} layers={run.model.n_layers}:"
                   f" {m.tokens_per_s:,.0f} tokens/s alone{mfu}", flush=True)  # fmt: skip
-    return len(todo)
+    return len(runs)

@@ -113,4 +113,9 @@ def test_bad_input_is_one_line_and_writes_nothing(timed):
     r = run("alone", "--db", str(gpu))
     assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
     assert "the sweep's runs trained on NVIDIA H200; this process runs on cpu:" in r.stderr
-    assert _rates(gpu) == []
+    con = duckdb.connect(str(gpu))
+    con.execute("""UPDATE runs SET config = json_merge_patch(config, '{"train": {"accelerator": "gpu"}}')""")
+    con.close()
+    r = run("alone", "--db", str(gpu))
+    assert r.returncode == 2 and r.stderr == "error: train.accelerator=gpu, but no GPU is visible; use auto or cpu\n"
+    assert _rates(gpu) == [] and r.stdout == ""

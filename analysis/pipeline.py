@@ -41,9 +41,9 @@ from analysis.store import (
 from mixdepth.results import Writer, add_fits
 
 MIN_PARAMETRIC_POINTS = 6
-# A spawned process spends ~2 s importing before it fits: two do not win that back (2 series of 6 runs: 5.1 s vs 3.0 s
-# here; the 59-run H200 sweep's 7 series on 2 busy cores: 17.5 s vs 21.0 s).
-MIN_PROCESSES = 3
+# A spawned process spends 2-3 s importing before it fits, which a few series do not win back (2-core VM, idle: 2
+# series of 6 runs took 5.1 s in 2 processes vs 3.0 s here; the 59-run H200 sweep's 7 series 8.0-8.2 s vs 12.2-12.3 s).
+MIN_SERIES = 4
 
 
 @dataclass(frozen=True)
@@ -155,7 +155,7 @@ def fit_points(
         holdout: largest budgets each series forecasts from the others (0: no forecast).
         causal: also fit ``<arch>:causal`` series.
         processes: fit the series in this many spawned processes (None: one per core this process may use) when
-            that makes at least ``MIN_PROCESSES``, else here; the fits are single-threaded, deterministic and
+            there are at least ``MIN_SERIES``, else here; the fits are single-threaded, deterministic and
             independent, so the result is the same. Spawning runs the caller's main module again, so a script
             that asks for processes needs ``if __name__ == "__main__"`` (the command lines have it).
     """
@@ -165,7 +165,7 @@ def fit_points(
         for a in sorted(long["arch"].unique())
     ]  # fmt: skip
     workers = min(len(jobs), processes or len(os.sched_getaffinity(0)))
-    if workers < MIN_PROCESSES:
+    if workers < 2 or len(jobs) < MIN_SERIES:
         return SweepFits(sweep_id, tuple(_fit_series(*job) for job in jobs))
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:  # torch's threads
         return SweepFits(sweep_id, tuple(pool.map(_fit_series, *zip(*jobs, strict=True))))

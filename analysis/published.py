@@ -37,8 +37,11 @@ def is_published(path: str | Path) -> bool:
 def publish(con: duckdb.DuckDBPyConnection, sweep_id: str, out: Path) -> dict[str, int]:
     """Write ``sweep_id``'s rows to ``out`` (created) and its README.md; returns the rows written per table."""
     out.mkdir(parents=True, exist_ok=True)
+    present = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
     counts = {}
     for table, sql in TABLES.items():
+        if table in OPTIONAL and table not in present:  # a store written before the table existed, opened to read
+            continue
         path = str(out / f"{table}.parquet")
         con.sql(sql, params=[sweep_id]).write_parquet(path)
         counts[table] = con.execute("SELECT count(*) FROM read_parquet(?)", [path]).fetchall()[0][0]  # its metadata

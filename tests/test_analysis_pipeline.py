@@ -268,14 +268,16 @@ def test_report_header_says_how_complete_the_sweep_is(summary, needles):
 
 
 def test_series_fitted_in_processes_equal_those_fitted_here():
-    """fit_points(processes=3) spawns a process per series (the fits are independent and deterministic): the same
-    result, forecasts and notes included, as fitting them one after another in this process."""
+    """fit_points(processes=2) spawns two processes for four series (the fits are independent and deterministic):
+    the same result, forecasts and notes included, as fitting them one after another in this process."""
     from analysis.pipeline import fit_points, series_points
 
     rows = fake_runs("s1", "dense", sizes_per_budget=4) + fake_runs("s1", "mod", sizes_per_budget=4, flops_scale=0.6)
     rows += fake_runs("s1", "moda", sizes_per_budget=4, flops_scale=1.1)
+    rows += fake_runs("s1", "mode", sizes_per_budget=4, flops_scale=0.7, causal_offset=0.01)
     points = pd.DataFrame(rows).rename(columns={"params_nonembed": "n", "tokens": "d"})
-    assert len(series_points(points)["arch"].unique()) == 3
-    here, spawned = (fit_points(points, "s1", processes=k) for k in (1, 3))
+    assert len(series_points(points)["arch"].unique()) == 5
+    here, spawned = (fit_points(points, "s1", processes=k) for k in (1, 2))
     assert json.dumps(spawned.to_dict()) == json.dumps(here.to_dict())
-    assert [a.arch for a in spawned.archs] == ["dense", "mod", "moda"] and spawned.get("dense").parametric is not None
+    assert [a.arch for a in spawned.archs] == ["dense", "mod", "moda", "mode", "mode:causal"]
+    assert spawned.get("dense").parametric is not None

@@ -123,3 +123,16 @@ def test_the_report_shows_the_runs_against_time(store, tmp_path):
     assert (tmp_path / "r" / "time_frontier.png").stat().st_size > 10_000
     assert "![time_plot](time_frontier.png)" in text
     assert {p.name for p in (tmp_path / "r").iterdir()} <= set(OUTPUT_NAMES)  # the CLI guards each of them
+
+
+def test_a_store_older_than_a_table_publishes_without_it(store, tmp_path, capsys):
+    """A store written before ``alone_rates`` existed (publish opens it read-only: no migration) publishes the
+    tables it has, and the folder reads back."""
+    con = connect(store)
+    con.execute("DROP TABLE alone_rates")
+    con.close()
+    out = tmp_path / "published"
+    assert main(["publish", "--db", str(store), "--sweep", "s1", "--out", str(out)]) == 0
+    assert capsys.readouterr().out == f"published sweep s1 to {out}: 1 sweeps, 30 runs, 60 curves, 1 sweep_usage\n"
+    assert not (out / "alone_rates.parquet").exists()
+    assert main(["report", "--db", str(out), "--sweep", "s1", "--out", str(tmp_path / "r")]) == 0

@@ -43,6 +43,7 @@ from mixdepth.results import Writer, add_fits
 MIN_PARAMETRIC_POINTS = 6
 # A spawned process spends 2-3 s importing before it fits, which a few series do not win back (2-core VM, idle: 2
 # series of 6 runs took 5.1 s in 2 processes vs 3.0 s here; the 59-run H200 sweep's 7 series 8.0-8.2 s vs 12.2-12.3 s).
+# Only series with enough runs for Approach 3's fit (most of the time) count.
 MIN_SERIES = 4
 
 
@@ -155,9 +156,10 @@ def fit_points(
         holdout: largest budgets each series forecasts from the others (0: no forecast).
         causal: also fit ``<arch>:causal`` series.
         processes: fit the series in this many spawned processes (None: one per core this process may use) when
-            there are at least ``MIN_SERIES``, else here; the fits are single-threaded, deterministic and
-            independent, so the result is the same. Spawning runs the caller's main module again, so a script
-            that asks for processes needs ``if __name__ == "__main__"`` (the command lines have it).
+            at least ``MIN_SERIES`` have runs enough for Approach 3, else here; the fits are single-threaded,
+            deterministic and independent, so the result is the same. Spawning runs the caller's main module
+            again, so a script that asks for processes needs ``if __name__ == "__main__"`` (the command lines
+            have it).
     """
     long = series_points(points, causal=causal)
     jobs = [
@@ -165,7 +167,7 @@ def fit_points(
         for a in sorted(long["arch"].unique())
     ]  # fmt: skip
     workers = min(len(jobs), processes or len(os.sched_getaffinity(0)))
-    if workers < 2 or len(jobs) < MIN_SERIES:
+    if workers < 2 or sum(len(job[1]) >= MIN_PARAMETRIC_POINTS for job in jobs) < MIN_SERIES:
         return SweepFits(sweep_id, tuple(_fit_series(*job) for job in jobs))
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:  # torch's threads
         return SweepFits(sweep_id, tuple(pool.map(_fit_series, *zip(*jobs, strict=True))))

@@ -9,22 +9,7 @@ import pytest
 
 from analysis.store import load_times, resolve_sweep, time_basis
 from mixdepth.results import SHAPE_KEY, connect
-
-SMALL = [  # 4 runs of 2 shapes (d 16 and d 24 at 2 budgets), one thread per process
-    "sweep.name=small",
-    "sweep.archs=[dense]",
-    "sweep.budgets=[1e9,2e9]",
-    "sweep.ladder=[{d_model: 16, n_layers: 1, n_heads: 2}, {d_model: 24, n_layers: 1, n_heads: 2}]",
-    "sweep.min_steps=4",
-    "sweep.max_extra=0",
-    "data.seq_len=32",
-    "data.max_bytes=300000",
-    "data.val_tokens=2048",
-    "train.batch_size=4",
-    "train.log_every=5",
-    "train.progress=false",
-    "train.threads=1",
-]
+from tests.test_sweeps import SMALL  # 4 runs of 2 shapes (d 16 and d 24 at 2 budgets), one thread each
 
 
 @pytest.fixture(scope="module")

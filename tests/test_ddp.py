@@ -14,8 +14,10 @@ conftest.py switches on): this file checks the distribution of a run, tests/test
 """
 
 import json
+import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -24,7 +26,7 @@ import torch
 from kernels.common import dispatch
 from mixdepth.config import ConfigError, DataConfig, TrainConfig, load_config
 from mixdepth.flops import train_flops
-from mixdepth.launch import Cluster, check_devices, cluster, cpu_cores
+from mixdepth.launch import LAUNCH_VARS, Cluster, check_devices, cluster, cpu_cores
 from mixdepth.models import MODELS
 from mixdepth.train import RunConfig, fit
 
@@ -99,6 +101,19 @@ def test_two_local_ranks_train_the_one_device_curve(one_device, plain_cpu):
     assert two["device"].endswith("(2 ranks)") and "ranks" not in one["device"]
     assert_mfu_per_device(two, arch, 2)
     assert_mfu_per_device(one, arch, 1)
+
+
+def test_a_one_process_ddp_run_leaves_no_launch_behind(plain_cpu, monkeypatch):
+    # Lightning's DDP strategy sets MASTER_PORT, LOCAL_RANK, ... in os.environ even for one process: the next run in
+    # this process (two ranks, say) would take itself for a rank of an external launch and stop.
+    for var in LAUNCH_VARS:
+        monkeypatch.delenv(var, raising=False)
+    run = run_config("dense", 1)
+    result = fit(replace(run, train=replace(run.train, strategy="ddp"), steps=4))
+    assert result.metrics.status == "ok"
+    assert {v: os.environ.get(v) for v in LAUNCH_VARS} == dict.fromkeys(LAUNCH_VARS)
+    assert not cluster().external
+    assert result.metrics.peak_memory_gib is None  # the CPU's: only a GPU's allocator is measured
 
 
 TORCHRUN_SCRIPT = """

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from lightning.fabric.utilities.throughput import Throughput
 
 from mixdepth.config import DataConfig, TrainConfig
@@ -57,3 +58,17 @@ def test_a_log_step_before_the_first_measurement_logs_nothing():
     monitor._throughputs[RunningStage.TRAINING].update(time=1.0, batches=5, samples=20, lengths=640)
     monitor._compute(trainer, 5)
     assert len(logged) == 1 and logged[0]["train/batches"] == 5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the peak memory of a GPU's allocator")
+def test_peak_memory_is_the_training_s_gpu():
+    """A run's peak memory holds at least its fp32 weights, gradients and both Adam moments (16 bytes a parameter),
+    grows with the batch (activations), and fits the device."""
+    model = DenseConfig(d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, seq_len=256, vocab_size=256)
+    data = DataConfig(max_bytes=1_000_000, val_tokens=4096, seq_len=256)
+    peaks = []
+    for batch in (4, 32):
+        train = TrainConfig(batch_size=batch, accelerator="gpu", compile=False, log_every=5, progress=False)
+        peaks.append(fit(RunConfig(model, data, train, 6)).metrics.peak_memory_gib * 2**30)
+    total = torch.cuda.get_device_properties(0).total_memory
+    assert 16 * model.n_params()["total"] <= peaks[0] < peaks[1] < total, (peaks, total)

@@ -2,8 +2,9 @@
 
 loop: the Lightning path every run takes (train.make_trainer + LitLM) against a plain PyTorch loop with the
       same model, data, optimizer, schedule and clipping, alternated in one process; prints the ratio.
-mfu:  tokens/s and MFU through train.fit (bf16, torch.compile) of archs at one shape (GPT-2 small by default);
-      with --profile N, where N of each fit's steps went (GPU kernels, GPU idle, the host waiting on the GPU).
+mfu:  tokens/s, MFU and peak memory through train.fit (bf16, torch.compile) of archs at one shape (GPT-2 small by
+      default), on one or more device counts (--devices 1,2, DDP or FSDP); with --profile N, where N of each fit's
+      steps went (GPU kernels, GPU idle, the host waiting on the GPU).
 compile: where one small sweep run's time goes (GPU): train.fit of archs at a shape with empty compile caches, with
       the on-disk caches warm, and compiled in-process already; fit wall, steady steps, compile time, MFU.
 step: training-step time and peak memory of several archs at one shape (e.g. MoD vs dense), GPU.
@@ -112,17 +113,25 @@ def synthetic_data(folder: Path, vocab: int, tokens: int, seq_len: int, val_toke
 
 
 def bench_mfu(args) -> None:
-    """Tokens/s and MFU through ``train.fit`` (the path every sweep run takes) of each arch at one shape, side by
-    side in one process; the speed of each relative to the first (MoD vs dense with the trainer's settings)."""
+    """Tokens/s and MFU through ``train.fit`` (the path every sweep run takes) of each arch at one shape, on each
+    device count of ``--devices`` (same global batch), side by side in one process; the speed of each relative to
+    the first (MoD vs dense with the trainer's settings; two GPUs vs one), its peak memory and losses."""
     vocab = args.vocab
     with tempfile.TemporaryDirectory() as tmp:
         T, d, H = args.seq_len, args.d_model, args.d_model // 64
-        data = synthetic_data(Path(tmp), vocab, args.tokens, T, val_tokens=T * 64)
+        if args.corpus == "synthetic":
+            data = synthetic_data(Path(tmp), vocab, args.tokens, T, val_tokens=T * 64)
+        elif vocab != 256:
+            raise ConfigError(f"--corpus {args.corpus}: text is tokenised to bytes; give --vocab 256")
+        else:
+            data = DataConfig(corpus=args.corpus, seq_len=T, max_bytes=args.tokens, val_tokens=T * 64)
         train = TrainConfig(
             batch_size=args.batch_size,
             compile=not args.no_compile,
             compile_mode=args.compile_mode,
             compile_scope=args.compile_scope,
+            accelerator=args.accelerator,
+            strategy=args.strategy,
             progress=False,
             log_every=50,
             lr=6e-4,
@@ -131,6 +140,7 @@ def bench_mfu(args) -> None:
         mode = "default" if args.compile_mode in CUDA_GRAPH_MODES else args.compile_mode
         graphed = replace(train, compile_mode=mode, graph_step=True)
         trains = [("", train)] + [(" +graph_step", graphed)] * args.graph_step
+        counts = [int(n) for n in args.devices.split(",")]
         start = _profile_start(args.steps, args.profile, train.log_every)
         rows = []
         for arch in args.archs.split(","):
@@ -138,23 +148,31 @@ def bench_mfu(args) -> None:
                 arch=arch, d_model=d, n_layers=args.n_layers, n_heads=H, n_kv_heads=H, seq_len=T, vocab_size=vocab,
                 tie_embeddings=True, **step_options(arch, args.set),
             )  # fmt: skip
-            for label, t in trains:
-                torch._dynamo.reset()
-                prof = [StepWindowProfile(start, args.profile, f" {arch}{label}")] if args.profile else []
-                rows.append((arch + label, model, fit(RunConfig(model, data, t, args.steps), callbacks=prof).metrics))
+            for n in counts:
+                for label, t in trains:
+                    label = f"{label} x{n} {args.strategy}" if len(counts) > 1 else label
+                    torch._dynamo.reset()
+                    prof = [StepWindowProfile(start, args.profile, f" {arch}{label}")] if args.profile else []
+                    run = RunConfig(model, data, replace(t, devices=n), args.steps)
+                    rows.append((arch + label, model, fit(run, callbacks=prof).metrics))
     print(
-        f"d{d} L{args.n_layers} H{H} T{T} vocab {vocab} tied, batch {args.batch_size}x{T}, steps {args.steps},"
-        f" compile {not args.no_compile} (mode {args.compile_mode}, scope {args.compile_scope}), window of the last"
-        f" {min(100, args.steps // 2)} steps; device {rows[0][2].device}, precision {rows[0][2].precision}"
+        f"d{d} L{args.n_layers} H{H} T{T} vocab {vocab} tied, {args.corpus} corpus, global batch {args.batch_size}x{T},"
+        f" steps {args.steps}, compile {not args.no_compile} (mode {args.compile_mode}, scope {args.compile_scope}),"
+        f" window of the last {min(100, args.steps // 2)} steps; device {rows[0][2].device}, precision"
+        f" {rows[0][2].precision}, devices {args.devices} (strategy {args.strategy}; tokens/s over all of them, MFU"
+        " and peak memory per device)"
         + (f"; +graph_step: train.graph_step=true, compile mode {mode}" if args.graph_step else "")
     )
-    print("| arch | params | fwd FLOPs/token | tokens/s | MFU (peak FLOP/s) | speed vs first | wall s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| arch | params | fwd FLOPs/token | tokens/s | MFU (peak FLOP/s) | speed vs first | peak GiB | val loss |"
+          " train loss | wall s |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for arch, model, res in rows:
         mfu = f"{res.mfu:.1%} ({res.peak_flops:.4g})" if res.mfu else "n/a (no known peak)"
+        memory = "n/a" if res.peak_memory_gib is None else f"{res.peak_memory_gib:.2f}"
         print(
             f"| {arch} | {model.n_params()['total']:,} | {model.flops_per_token():.4g} | {res.tokens_per_s:,.0f} |"
-            f" {mfu} | {res.tokens_per_s / rows[0][2].tokens_per_s:.3f}x | {res.wall_s:.1f} |"
+            f" {mfu} | {res.tokens_per_s / rows[0][2].tokens_per_s:.3f}x | {memory} | {res.val_loss:.4f} |"
+            f" {res.train_loss:.4f} | {res.wall_s:.1f} |"
         )
 
 
@@ -392,6 +410,12 @@ def main() -> None:
     mp.add_argument("--tokens", type=int, default=64_000_000, help="synthetic .bin corpus size")
     mp.add_argument("--set", nargs="*", default=[], help="arch.key=value model options, e.g. mod.capacity=0.125")
     mp.add_argument("--profile", type=int, default=0, help="profile N steps of each fit (kernels, idle, host waits)")
+    mp.add_argument("--devices", default="1", help="comma-separated device counts, e.g. 1,2: each run on each")
+    mp.add_argument("--strategy", default="auto", choices=("auto", "ddp", "fsdp"), help="train.strategy of the runs")
+    mp.add_argument("--accelerator", default="auto", choices=("auto", "gpu", "cpu"), help="cpu: a smoke run")
+    mp.add_argument(
+        "--corpus", default="synthetic", help="synthetic (random ids: speed only) or a data.corpus, e.g. stdlib (bytes)"
+    )
     cp = sub.add_parser("compile", help="one run's fit with empty, on-disk and in-process compile caches (GPU)")
     cp.add_argument("--archs", default="dense,mod,mode")
     cp.add_argument("--d-model", type=int, default=384)

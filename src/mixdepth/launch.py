@@ -24,7 +24,8 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -165,7 +166,8 @@ def launch(fn: Callable[..., R], t: TrainConfig, *args: Any) -> R:
     first line).
     """
     if t.devices * t.num_nodes == 1:
-        return fn(*args)
+        with _launch_vars_kept():
+            return fn(*args)
     if cluster().external:
         value = fn(*args)
         atexit.unregister(destroy_group)  # once per process, however many runs it trains
@@ -193,6 +195,25 @@ def launch(fn: Callable[..., R], t: TrainConfig, *args: Any) -> R:
                     p.kill()
                     p.wait()
         return _outcome(folder, codes)
+
+
+# Lightning's DDP and FSDP strategies set these in os.environ even for one process; left there, the next run in this
+# process would take itself for a rank that a launcher started.
+LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "RANK", "WORLD_SIZE")
+
+
+@contextmanager
+def _launch_vars_kept() -> Iterator[None]:
+    """Restore ``LAUNCH_VARS`` as they were on entry."""
+    before = {k: os.environ.get(k) for k in LAUNCH_VARS}
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def destroy_group() -> None:

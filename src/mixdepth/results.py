@@ -58,6 +58,7 @@ class RunMetrics:
     routing_stats: Json | None  # routed archs: capacity, predictor accuracy/precision/recall, expert load
     setup_s: Double | None = None  # seconds before training: corpus, model, trainer (the last process it ran in)
     eval_s: Double | None = None  # seconds after training: final checkpoint and the held-out evaluation
+    peak_memory_gib: Double | None = None  # most GPU memory for tensors in training, any rank (last process); CPU: NULL
 
 
 @dataclass(frozen=True)

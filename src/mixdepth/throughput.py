@@ -1,12 +1,12 @@
-"""Tokens/s and MFU of a run: Lightning's ThroughputMonitor with a supplied peak, measuring without a device sync
-at every step."""
+"""Tokens/s and MFU of a run (Lightning's ThroughputMonitor with a supplied peak, measuring without a device sync
+at every step), and the peak device memory of its training."""
 
 from __future__ import annotations
 
 import time
 
 import torch
-from lightning.pytorch.callbacks import ThroughputMonitor
+from lightning.pytorch.callbacks import Callback, ThroughputMonitor
 from lightning.pytorch.trainer.states import RunningStage
 
 
@@ -72,3 +72,19 @@ class PeakThroughputMonitor(ThroughputMonitor):
         if not self._batches.get(RunningStage.TRAINING):  # resumed from its final checkpoint: nothing trained here
             return {}
         return self._throughputs[RunningStage.TRAINING].compute()
+
+
+class PeakMemory(Callback):
+    """The most device memory torch's allocator held for tensors while this process trained (compilation and the
+    first steps included, the held-out evaluation not), in bytes of this rank's GPU; None on the CPU."""
+
+    def __init__(self) -> None:
+        self.bytes: int | None = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(pl_module.device)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if pl_module.device.type == "cuda":
+            self.bytes = torch.cuda.max_memory_allocated(pl_module.device)

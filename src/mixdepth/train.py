@@ -30,7 +30,7 @@ from mixdepth.launch import check_devices, launch, resolve_device
 from mixdepth.lit import LitLM, LMDataModule
 from mixdepth.models import MODELS
 from mixdepth.results import RunMetrics
-from mixdepth.throughput import PeakThroughputMonitor, cadence
+from mixdepth.throughput import PeakMemory, PeakThroughputMonitor, cadence
 
 # Dense bf16 peak FLOP/s of chips Lightning does not name correctly ("NVIDIA H200" is not in its table).
 PEAK_FLOPS = {"H200": 989.5e12, "H100": 989.5e12}
@@ -204,13 +204,15 @@ def _fit(run: RunConfig, cache_dir: Path | None, callbacks: tuple[Callback, ...]
     lit = LitLM(model, t, run.steps, flops_per_batch=train_flops(fpt, tokens_per_batch) / world)
     peak = peak_flops(t, accelerator, precision)
     every, window = cadence(run.steps, t.log_every)
-    monitor = PeakThroughputMonitor(peak, every=every, window_size=window)
+    monitor, memory = PeakThroughputMonitor(peak, every=every, window_size=window), PeakMemory()
     ckpt_dir = Path(run.ckpt_dir) if run.ckpt_dir else None
     saver = [checkpoint_callback(ckpt_dir, t.ckpt_every)] if ckpt_dir and t.ckpt_every else []
     logger = run_logger(t, run.log_dir)
     if logger:
         logger.log_hyperparams({"model": asdict(run.model), "data": asdict(run.data), "train": asdict(t)})
-    trainer = make_trainer(t, run.steps, accelerator, precision, [monitor, *saver, *callbacks], run.ckpt_dir, logger)
+    trainer = make_trainer(
+        t, run.steps, accelerator, precision, [monitor, memory, *saver, *callbacks], run.ckpt_dir, logger
+    )
     resume = resume_path(ckpt_dir) if ckpt_dir else None
     lit.started = time.perf_counter()
     setup = lit.started - entered  # corpus, model, compile wrapper, trainer (not the compilation: the first steps)
@@ -231,6 +233,10 @@ def _fit(run: RunConfig, cache_dir: Path | None, callbacks: tuple[Callback, ...]
     tp, wall, setup, evaluated = trainer.strategy.broadcast(
         (monitor.summary() if trainer.is_global_zero else None, wall, setup, evaluated), src=0
     )
+    peak_bytes = memory.bytes
+    if peak_bytes is not None:  # the rank that held the most (FSDP's shards and DDP's buckets may differ)
+        held = torch.tensor(float(peak_bytes), device=trainer.strategy.root_device)
+        peak_bytes = trainer.strategy.reduce(held, reduce_op="max").item()
     tokens = run.steps * tokens_per_batch
     tail = [p["train_loss"] for p in lit.curve[-max(1, len(lit.curve) // 10) :]]
     stats = dict(lit.val_metrics)  # what is left after the two losses: routing statistics
@@ -249,6 +255,7 @@ def _fit(run: RunConfig, cache_dir: Path | None, callbacks: tuple[Callback, ...]
         wall_s=wall,
         setup_s=setup,
         eval_s=evaluated,
+        peak_memory_gib=None if peak_bytes is None else peak_bytes / 2**30,
         tokens_per_s=tps,
         mfu=tp.get("device/mfu"),
         peak_flops=peak,

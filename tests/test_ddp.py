@@ -204,3 +204,23 @@ def test_rank_zero_s_result_stands_when_a_rank_dies_in_teardown(tmp_path):
     (tmp_path / "rank1.pkl").unlink()
     with pytest.raises(RuntimeError, match=r"rank 1 of 2 died \(signal 9\)"):
         _outcome(tmp_path, [None, -9])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="NCCL and FSDP need a GPU")
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_one_gpu_under_ddp_and_fsdp_trains_the_plain_run_gpu(strategy):
+    """The distributed strategies' code paths (NCCL process group, DDP's reducer or FSDP's flat parameters and
+    sharded clipping), compiled, in bf16 on one GPU: the curve and held-out loss of the single-device run, within
+    bf16's rounding of the losses, and a peak memory that holds the fp32 weights, gradients and Adam moments."""
+    model = MODELS["dense"][0](
+        arch="dense", d_model=128, n_layers=2, n_heads=2, n_kv_heads=2, seq_len=64, vocab_size=256
+    )
+    data = DataConfig(max_bytes=300_000, val_tokens=4096, seq_len=64)
+    train = TrainConfig(batch_size=8, accelerator="gpu", compile=True, log_every=5, progress=False)
+    plain, spread = (fit(RunConfig(model, data, replace(train, strategy=s), STEPS)) for s in ("auto", strategy))
+    assert [p["step"] for p in spread.curve] == [p["step"] for p in plain.curve]
+    got, want = (torch.tensor([p["train_loss"] for p in r.curve]) for r in (spread, plain))
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+    assert spread.metrics.val_loss == pytest.approx(plain.metrics.val_loss, abs=2e-3)
+    assert want[-1] < want[0] - 0.3  # it learned
+    assert spread.metrics.peak_memory_gib * 2**30 >= 16 * model.n_params()["total"]

@@ -22,6 +22,8 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
+from lightning.pytorch.strategies import FSDPStrategy, Strategy
+from torch.distributed.fsdp import MixedPrecision
 
 from mixdepth.checkpoints import FINAL, checkpoint_callback, drop_hpc_checkpoints, resume_path
 from mixdepth.config import DataConfig, TrainConfig, micro_batch
@@ -121,6 +123,16 @@ def run_logger(t: TrainConfig, log_dir: str | None) -> Logger | bool:
     return MLFlowLogger(experiment_name=sweep, run_name=run, tracking_uri=f"file:{folder.parent / 'mlruns'}")
 
 
+def strategy(t: TrainConfig) -> str | Strategy:
+    """Lightning's strategy for ``t.strategy``. FSDP trains the run DDP would: fp32 weights gathered and fp32
+    gradients reduced, bf16 from autocast alone (Lightning's FSDP default under bf16-mixed gathers bf16 copies of the
+    weights and reduces bf16 gradients: another experiment than the same run on one device or under DDP)."""
+    if t.strategy != "fsdp":
+        return t.strategy
+    fp32 = MixedPrecision(param_dtype=torch.float32, reduce_dtype=torch.float32, buffer_dtype=torch.float32)
+    return FSDPStrategy(mixed_precision=fp32)
+
+
 def make_trainer(
     t: TrainConfig,
     steps: int,
@@ -138,7 +150,7 @@ def make_trainer(
         accelerator=accelerator,
         devices=t.devices,
         num_nodes=t.num_nodes,
-        strategy=t.strategy,  # auto: one device alone, DDP (gloo on CPU, nccl on GPU) for more; ddp; fsdp
+        strategy=strategy(t),  # auto: one device alone, DDP (gloo on CPU, nccl on GPU) for more; ddp; fsdp
         precision=precision,
         max_steps=steps,
         logger=logger,

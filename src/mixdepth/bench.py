@@ -150,17 +150,19 @@ def bench_mfu(args) -> None:
             )  # fmt: skip
             for n in counts:
                 for label, t in trains:
-                    label = f"{label} x{n} {args.strategy}" if len(counts) > 1 else label
+                    # beside more devices, one device trains as a run on one does (no DDP/FSDP wrapper)
+                    how = "auto" if n == 1 and len(counts) > 1 else args.strategy
+                    label = f"{label} x{n} {how}" if len(counts) > 1 else label
                     torch._dynamo.reset()
                     prof = [StepWindowProfile(start, args.profile, f" {arch}{label}")] if args.profile else []
-                    run = RunConfig(model, data, replace(t, devices=n), args.steps)
+                    run = RunConfig(model, data, replace(t, devices=n, strategy=how), args.steps)
                     rows.append((arch + label, model, fit(run, callbacks=prof).metrics))
     print(
         f"d{d} L{args.n_layers} H{H} T{T} vocab {vocab} tied, {args.corpus} corpus, global batch {args.batch_size}x{T},"
         f" steps {args.steps}, compile {not args.no_compile} (mode {args.compile_mode}, scope {args.compile_scope}),"
         f" window of the last {min(100, args.steps // 2)} steps; device {rows[0][2].device}, precision"
-        f" {rows[0][2].precision}, devices {args.devices} (strategy {args.strategy}; tokens/s over all of them, MFU"
-        " and peak memory per device)"
+        f" {rows[0][2].precision}, devices {args.devices} (strategy {args.strategy}, beside them 1 auto; tokens/s"
+        " over all of them, MFU and peak memory per device)"
         + (f"; +graph_step: train.graph_step=true, compile mode {mode}" if args.graph_step else "")
     )
     print("| arch | params | fwd FLOPs/token | tokens/s | MFU (peak FLOP/s) | speed vs first | peak GiB | val loss |"
@@ -411,7 +413,9 @@ def main() -> None:
     mp.add_argument("--set", nargs="*", default=[], help="arch.key=value model options, e.g. mod.capacity=0.125")
     mp.add_argument("--profile", type=int, default=0, help="profile N steps of each fit (kernels, idle, host waits)")
     mp.add_argument("--devices", default="1", help="comma-separated device counts, e.g. 1,2: each run on each")
-    mp.add_argument("--strategy", default="auto", choices=("auto", "ddp", "fsdp"), help="train.strategy of the runs")
+    mp.add_argument(
+        "--strategy", default="auto", choices=("auto", "ddp", "fsdp"), help="train.strategy (1 beside more: auto)"
+    )
     mp.add_argument("--accelerator", default="auto", choices=("auto", "gpu", "cpu"), help="cpu: a smoke run")
     mp.add_argument(
         "--corpus", default="synthetic", help="synthetic (random ids: speed only) or a data.corpus, e.g. stdlib (bytes)"

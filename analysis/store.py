@@ -156,12 +156,13 @@ def time_basis(times: pd.DataFrame) -> tuple[str, str]:
 
 def load_claim_runs(con: duckdb.DuckDBPyConnection, sweep_id: str | None) -> pd.DataFrame:
     """Each finished run's shape, seed and losses for ``analysis.claims``: arch, budget, d_model, n_layers, n, seed,
-    loss (held-out, top-k routing), loss_causal and predictor_accuracy (routed archs; else NULL)."""
+    loss (held-out, top-k routing), loss_causal and predictor_accuracy (routed archs; else NULL). A diverged run
+    is there with NULL losses (the claims count what they left out)."""
     return con.execute(
         "SELECT arch, budget, d_model, n_layers, params_nonembed AS n, seed, val_loss AS loss,"
         " val_loss_causal AS loss_causal, CAST(json_extract(routing_stats, '$.predictor_accuracy') AS DOUBLE)"
-        " AS predictor_accuracy FROM runs WHERE sweep_id IS NOT DISTINCT FROM ? AND status = 'ok'"
-        " AND val_loss IS NOT NULL ORDER BY arch, budget, n, seed",
+        " AS predictor_accuracy FROM runs WHERE sweep_id IS NOT DISTINCT FROM ?"
+        " AND (status = 'ok' AND val_loss IS NOT NULL OR status = 'diverged') ORDER BY arch, budget, n, seed",
         [sweep_id],
     ).df()
 

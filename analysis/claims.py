@@ -103,7 +103,8 @@ def _verdict(d: dict[str, Any]) -> str:
 
 
 def _diverged(failed: pd.DataFrame, archs: tuple[str, ...], b: float) -> str:
-    """ "; k diverged runs left out" of ``archs`` at budget ``b`` (a size whose runs diverged has no mean), or ""."""
+    """The note that k runs of ``archs`` at budget ``b`` diverged and are left out (a size whose runs all diverged
+    has no mean), or ""."""
     k = int((failed["arch"].isin(archs) & (failed["budget"] == b)).sum())
     return f"; {k} diverged run{'s' if k > 1 else ''} left out" if k else ""
 

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from mixdepth.config import ConfigError
+from mixdepth.launch import environ_kept
 
 CONTROL = "nvidia-cuda-mps-control"
 DEFAULT_PIPE = "/tmp/nvidia-mps"  # where a daemon started without CUDA_MPS_PIPE_DIRECTORY listens
@@ -92,14 +93,9 @@ def serve(mode: str, gpus: list[str], check: Callable[[dict], str | None] = clie
         print(f"note: runs sharing a GPU are time-sliced, without MPS ({why})")
         yield "time-sliced"
         return
-    saved = {k: os.environ.get(k) for k in ENV}
-    os.environ.update({k: env[k] for k in ENV})  # the workers, spawned later, inherit it
-    try:
-        yield "started"
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        _quit(control, env, root)
+    with environ_kept(ENV):
+        os.environ.update({k: env[k] for k in ENV})  # the workers, spawned later, inherit it
+        try:
+            yield "started"
+        finally:
+            _quit(control, env, root)

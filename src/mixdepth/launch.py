@@ -166,7 +166,7 @@ def launch(fn: Callable[..., R], t: TrainConfig, *args: Any) -> R:
     first line).
     """
     if t.devices * t.num_nodes == 1:
-        with _launch_vars_kept():
+        with environ_kept(LAUNCH_VARS):
             return fn(*args)
     if cluster().external:
         value = fn(*args)
@@ -203,9 +203,9 @@ LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "RANK", 
 
 
 @contextmanager
-def _launch_vars_kept() -> Iterator[None]:
-    """Restore ``LAUNCH_VARS`` as they were on entry."""
-    before = {k: os.environ.get(k) for k in LAUNCH_VARS}
+def environ_kept(keys: tuple[str, ...]) -> Iterator[None]:
+    """Restore the environment variables ``keys`` as they were on entry (set, changed or removed inside)."""
+    before = {k: os.environ.get(k) for k in keys}
     try:
         yield
     finally:

@@ -61,8 +61,8 @@ def _readme(con: duckdb.DuckDBPyConnection, sweep_id: str, counts: dict[str, int
     lines = [
         f"# Sweep {sweep_id}",
         "",
-        f"Preset `{preset}` (name {name}), begun {created:%Y-%m-%d %H:%M} UTC; mixdepth {version}, commit"
-        f" {commit or 'unknown'}.",
+        f"Preset `{preset}` (name {name}), begun {created:%Y-%m-%d %H:%M} UTC; mixdepth"
+        f" {version or '(a source checkout, not installed)'}, commit {commit or 'unknown'}.",
         "",
         f"Command: `{command or 'unknown'}`",
         "",

@@ -62,7 +62,7 @@ def _readme(con: duckdb.DuckDBPyConnection, sweep_id: str, counts: dict[str, int
         f"# Sweep {sweep_id}",
         "",
         f"Preset `{preset}` (name {name}), begun {created:%Y-%m-%d %H:%M} UTC; mixdepth"
-        f" {version or '(a source checkout, not installed)'}, commit {commit or 'unknown'}.",
+        f" {version or 'version not recorded'}, commit {commit or 'unknown'}.",
         "",
         f"Command: `{command or 'unknown'}`",
         "",

@@ -1,7 +1,8 @@
-"""``python -m sweeps isoflop [--preset NAME] [--db PATH] [--conf DIR] [--dry-run | --enqueue-only | --print-config]
-[key=value ...]``,
-``worker --storage URL [--sweep ID] [--workers N] [train.key=value ...]``, ``collect --storage URL [--db PATH]
-[--sweep ID]``, ``alone [--db PATH] [--sweep ID] [--steps N]`` and ``status [--db PATH] [--storage URL]``.
+"""``python -m sweeps isoflop [--preset NAME] [--db PATH] [--conf DIR] [--dry-run | --enqueue-only | --print-config |
+--time-limit T] [key=value ...]``,
+``worker --storage URL [--sweep ID] [--workers N] [--time-limit T] [train.key=value ...]``,
+``collect --storage URL [--db PATH] [--sweep ID]``, ``alone [--db PATH] [--sweep ID] [--steps N]`` and
+``status [--db PATH] [--storage URL]``.
 
 The one place that knows paths: the config folder (read once by ``load_config``: ``--conf``, else the presets that
 ship inside the package), the DuckDB store, the Optuna journal beside it, the report, checkpoint and logger folders;
@@ -45,6 +46,12 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt  # SIGTERM (a scheduler's stop) cleans up like Ctrl-C: workers killed, no partial rows
 
 
+LIMIT_HELP = (
+    "start only runs predicted to end within this time from the command's start (seconds, or 9m, 1.5h); the rest"
+    " stay queued for the next command (exit code 75)"
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sweeps", description="Scaling-law sweeps for the MoD family.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -56,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     iso.add_argument("--enqueue-only", action="store_true", help="queue the runs in sweep.storage for workers and exit")
     iso.add_argument("--print-config", action="store_true", help="print the merged, typed config as YAML and exit")
     iso.add_argument("--conf", type=Path, help="config folder (default: the presets installed with mixdepth)")
+    iso.add_argument("--time-limit", help=LIMIT_HELP)
     st = sub.add_parser("status", help="list the sweeps of a database: planned, running, finished, failed")
     st.add_argument("--db", type=Path, default=Path("results.db"), help="DuckDB file (default: results.db)")
     st.add_argument("--storage", help="the sweeps' storage URL (default: the journal beside the database)")
@@ -64,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     wk.add_argument("--sweep", help="only this sweep id (default: every sweep in the storage)")
     wk.add_argument("--workers", type=int, default=0, help="runs at once (default: one per visible GPU, else 1)")
     wk.add_argument("overrides", nargs="*", help="this host's train keys, e.g. train.devices=2 train.ckpt_dir=/x")
+    wk.add_argument("--time-limit", help=LIMIT_HELP)
     al = sub.add_parser("alone", help="time each shape of a sweep's runs alone on this device (time-matched view)")
     al.add_argument("--db", type=Path, default=Path("results.db"), help="DuckDB file (default: results.db)")
     al.add_argument("--sweep", help="sweep id (default: the one with the newest run)")
@@ -103,6 +112,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         signal.signal(signal.SIGTERM, _interrupt)
+        limit = None
+        if getattr(args, "time_limit", None) is not None:
+            from sweeps.deadline import parse
+
+            limit = parse(args.time_limit)
         if args.cmd == "alone":
             from sweeps.alone import measure
 
@@ -113,12 +127,13 @@ def main(argv: list[str] | None = None) -> int:
 
             if args.workers < 0:
                 raise ConfigError(f"--workers must be at least 0, got {args.workers}")
-            return serve(args.storage, args.sweep, args.workers, args.overrides)
+            return serve(args.storage, args.sweep, args.workers, args.overrides, limit)
         from mixdepth.config import load_config
         from sweeps.provenance import command
         from sweeps.runner import public_config, run_isoflop
 
-        modes = [f"--{m}" for m in ("dry-run", "enqueue-only", "print-config") if getattr(args, m.replace("-", "_"))]
+        modes = ("dry-run", "enqueue-only", "print-config", "time-limit")
+        modes = [f"--{m}" for m in modes if getattr(args, m.replace("-", "_")) not in (None, False)]
         if len(modes) > 1:
             raise ConfigError(f"{' and '.join(modes)} exclude each other")
         with _conf(args.conf) as conf:
@@ -135,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             dry_run=args.dry_run,
             enqueue_only=args.enqueue_only,
             command=command(argv),
+            time_limit=limit,
         )
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

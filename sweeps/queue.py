@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import socket
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -249,11 +250,16 @@ def restart(study: optuna.Study, payloads: dict[str, dict[str, Any]], done: set[
                 storage.set_trial_user_attr(t._trial_id, key, value)
 
 
-def pop(study: optuna.Study) -> optuna.Trial | None:
-    """Take a queued trial of ``study`` (RUNNING now, on this host), or None when none waits. Race-free across
-    processes and hosts: the storage moves a trial from WAITING to RUNNING for one caller only."""
+def pop(study: optuna.Study, order: Callable[[dict], float | None] | None = None) -> optuna.Trial | None:
+    """Take a queued trial of ``study`` (RUNNING now, on this host), or None when none waits: the first in queue
+    order, or with ``order`` the first by ``order(row)`` of its run's row among those whose key is not None. Race-free
+    across processes and hosts: the storage moves a trial from WAITING to RUNNING for one caller only."""
     storage = study._storage
-    for t in trials(study, TrialState.WAITING):
+    waiting = trials(study, TrialState.WAITING)
+    if order is not None:
+        keyed = [(k, t) for t in waiting if (k := order(t.user_attrs["run"]["row"])) is not None]
+        waiting = [t for _, t in sorted(keyed, key=lambda kt: kt[0])]  # stable: ties in queue order
+    for t in waiting:
         if storage.set_trial_state_values(t._trial_id, state=TrialState.RUNNING):
             trial = optuna.Trial(study, t._trial_id)
             trial.set_user_attr("host", f"{socket.gethostname()}:{os.getpid()}")

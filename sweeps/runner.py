@@ -19,6 +19,7 @@ from mixdepth.launch import check_devices, resolve_device
 from mixdepth.train import RunConfig
 from sweeps import bracket, mps, provenance, queue
 from sweeps.collect import collect_study
+from sweeps.deadline import TIME_LIMIT, Deadline
 from sweeps.journal import repair
 from sweeps.paths import SweepPaths
 from sweeps.plan import Trial, plan, sweep_id, table
@@ -140,6 +141,7 @@ def run_isoflop(
     dry_run: bool = False,
     enqueue_only: bool = False,
     command: str = "",
+    time_limit: float | None = None,
 ) -> int:
     """Plan the sweep, then (unless ``dry_run``) queue what the store lacks, train it, add sizes where an optimum is
     not bracketed (``sweeps.bracket``) and train those, store it all, fit and report.
@@ -153,6 +155,8 @@ def run_isoflop(
             database is not opened (``python -m sweeps collect`` fills it). Sizes to bracket optima are added only
             by a run without it on the same storage (it collects, adds them and trains them).
         command: the command line as it may be stored (``provenance.command``).
+        time_limit: seconds from the command's start within which its runs must end (``sweeps.deadline``): runs
+            predicted to outlast it stay queued, and the command ends without a report, exit code ``TIME_LIMIT``.
     """
     sid = sweep_id(lab, preset)
     trials, notes = plan(lab, sid)
@@ -215,7 +219,7 @@ def run_isoflop(
             )
         study = _study(lab, storage or _storage(lab, paths), meta)
         sharing = "mps" if how in ("started", "running") else how
-        return _run(lab, paths, store, study, meta, runs, gpus, sharing, pool)
+        return _run(lab, paths, store, study, meta, runs, gpus, sharing, pool, time_limit)
 
 
 def _workers(lab: LabConfig, gpus: list[str]):
@@ -251,6 +255,7 @@ def _run(
     gpus,
     sharing: str,
     pool: Pool | None,
+    time_limit: float | None,
 ) -> int:
     sid = meta["sweep_id"]
     shared = bool(lab.sweep.storage)  # an RDB other hosts train from; the journal is this database's alone
@@ -271,11 +276,12 @@ def _run(
     queue.enqueue(study, todo, skip_finished=shared)  # with the journal the database is the record: what it lacks runs
 
     used = usage.Usage(sid, lab.sweep.workers, n_gpus(lab.train, gpus), sharing=sharing)
+    deadline = Deadline(used.started, time_limit) if time_limit else None
     measured: list[dict] = []
 
-    def record_usage(interrupted: bool = False) -> None:  # at the report (which then states it), or at a stop
+    def record_usage(stopped: str | None = None) -> None:  # at the report (which then states it), or at a stop
         if used.runs:
-            measured.append(used.row(interrupted=interrupted))
+            measured.append(used.row(stopped=stopped))
             with store.session() as con:
                 results.put_usage(con, measured[-1])
 
@@ -283,7 +289,7 @@ def _run(
         with store.session() as con:
             results.add_run(con, {**row, **asdict(res.metrics)}, res.curve)
             used.add(res.metrics, row["tokens"], row["train_flops"], 1 - res.resumed_step / row["steps"])
-            results.put_usage(con, used.row(interrupted=True))  # until the report: a killed command keeps its time
+            results.put_usage(con, used.row(stopped="interrupted"))  # until the report: a killed command keeps its time
 
     workers = lab.sweep.workers
     host = {}
@@ -310,6 +316,7 @@ def _run(
                     inline=workers == 1,
                     progress=bar,
                     pool=pool,
+                    deadline=deadline,
                 ).run()
                 with store.session() as con:
                     if shared:
@@ -325,10 +332,20 @@ def _run(
                 queued += queue.enqueue(study, [runs[t.run_id] for t, _, _ in new], skip_finished=shared)
     except KeyboardInterrupt:  # Ctrl-C, SIGTERM: the runs trained so far used the devices too; their share is kept
         used.trained = time.time()
-        record_usage(interrupted=True)
+        record_usage(stopped="interrupted")
         raise
     used.trained = time.time()
-    print(f"trained {queued - len(failed)} runs in {time.perf_counter() - start:.0f}s")
+    held = len(queue.trials(study, TrialState.WAITING)) if deadline else 0  # none would have ended in time
+    print(f"trained {queued - len(failed) - held} runs in {time.perf_counter() - start:.0f}s")
+    gave_up = _gave_up(failed, lab.sweep.retries + 1) if failed else ""
+    if held:
+        record_usage(stopped="time limit")
+        for row in measured:
+            print("\n".join(usage.lines(row)))
+        print(f"{deadline.held(held)}; rerun the same command to resume")
+        if gave_up:
+            print(gave_up, file=sys.stderr)
+        return 1 if gave_up else TIME_LIMIT
     for line in left:
         print(f"not bracketed: {line}")
     inside = bracket.inside(lab, by_key)
@@ -336,7 +353,6 @@ def _run(
         "isoFLOP vertex inside the sampled sizes: "
         + ", ".join(f"{arch} at {n} of {len(lab.sweep.budgets)} budgets" for arch, n in inside.items())
     )
-    gave_up = _gave_up(failed, lab.sweep.retries + 1) if failed else ""
     with store.session() as con:
         n_div, n_ok = con.execute(
             "SELECT count(*) FILTER (WHERE status = 'diverged'), count(*) FILTER (WHERE status = 'ok')"

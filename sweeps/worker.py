@@ -28,6 +28,7 @@ from optuna.trial import TrialState
 from mixdepth.config import ConfigError, TrainConfig
 from mixdepth.launch import check_devices, cluster, resolve_device
 from sweeps import queue
+from sweeps.deadline import TIME_LIMIT, Deadline
 from sweeps.pool import Inline, Pool, Ranks, follow
 from sweeps.progress import Progress
 
@@ -83,6 +84,8 @@ class Drain:
             left as runs start and end, so one bar can span several drains (the caller closes it). Default: lines only.
         pool: worker processes the caller holds across drains (started early, kept warm between them); None: the
             drain's own, by ``slots``, ``inline`` and ``ranks``.
+        deadline: the command's time limit: only runs predicted to end within it start (``sweeps.deadline``), and
+            the drain ends once none of the queued ones is and none trains here. None: no limit.
     """
 
     studies: list[optuna.Study]
@@ -97,10 +100,12 @@ class Drain:
     ranks: tuple[Any, int] | None = None
     progress: Progress = field(default_factory=lambda: Progress(shown=False))
     pool: Pool | None = None
+    deadline: Deadline | None = None
 
     def run(self) -> dict[str, str]:
-        """Train until no run of the studies is queued or running anywhere; returns the runs given up on here:
-        run_id -> why their last attempt failed."""
+        """Train until no run of the studies is queued or running anywhere (with a ``deadline``: until none of the
+        queued ones would end in time and none trains here); returns the runs given up on here: run_id -> why their
+        last attempt failed."""
         n = sum(len(queue.trials(s, TrialState.WAITING)) for s in self.studies)
         running: dict[str, tuple[optuna.Study, optuna.Trial, Any]] = {}  # run_id -> study, trial, RunConfig
         index: dict[str, int] = {}
@@ -135,6 +140,8 @@ class Drain:
                             pool.submit(rid, run)
                         self.progress.left(*self._left(running))
                         if not running:
+                            if self.deadline is not None and self._queued():  # none would end in time
+                                return failed
                             if not self._others_running():
                                 return failed
                             time.sleep(IDLE_POLL_S)
@@ -151,11 +158,17 @@ class Drain:
                 beat.stopped.set()
 
     def _next(self) -> tuple[optuna.Study, optuna.Trial] | None:
+        order = None
+        if self.deadline is not None:  # predicted from every finished run of the studies, this drain's included
+            order = self.deadline.order(row for s in self.studies for row, _ in queue.finished(s).values())
         for study in self.studies:
             optuna.storages.fail_stale_trials(study)  # RDB: runs of dead hosts, queued again by the retry callback
-            if (trial := queue.pop(study)) is not None:
+            if (trial := queue.pop(study, order)) is not None:
                 return study, trial
         return None
+
+    def _queued(self) -> bool:
+        return any(queue.trials(s, TrialState.WAITING) for s in self.studies)
 
     def _left(self, running: dict) -> tuple[float, int]:
         """Training FLOPs and number of the runs left: running here, or queued for any host."""
@@ -240,15 +253,20 @@ HOST_KEYS = (
 )
 
 
-def serve(where: str, sweep: str | None, workers: int, overrides: list[str]) -> int:
+def serve(where: str, sweep: str | None, workers: int, overrides: list[str], time_limit: float | None = None) -> int:
     """``python -m sweeps worker``: train the queued runs of the storage's sweeps (or of ``sweep``) until none
     is left anywhere, ``workers`` at once (0: one per visible GPU, else one); results go through the storage.
+    With ``time_limit`` (seconds from the command's start) only runs predicted to end within it start
+    (``sweeps.deadline``); the worker ends when none of the queued ones would, exit code ``TIME_LIMIT``.
 
     Raises:
         ConfigError: a bad override or more workers than GPUs; StorageError: the storage or the sweep.
     """
     from mixdepth.config import train_overrides
+    from mixdepth.usage import process_start
     from sweeps.collect import selected
+
+    deadline = Deadline(process_start(), time_limit) if time_limit else None
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     host = train_overrides(overrides, HOST_KEYS)
@@ -306,9 +324,14 @@ def serve(where: str, sweep: str | None, workers: int, overrides: list[str]) -> 
             retries=retries,
             ranks=ranks,
             progress=bar,
+            deadline=deadline,
         ).run()
-    print(f"no runs left: done in {time.perf_counter() - start:.0f}s")
+    held = sum(len(queue.trials(s, TrialState.WAITING)) for s in studies) if deadline else 0
+    if held:
+        print(f"{deadline.held(held)}; done in {time.perf_counter() - start:.0f}s")
+    else:
+        print(f"no runs left: done in {time.perf_counter() - start:.0f}s")
     if failed:
         print(f"error: {len(failed)} run(s) failed on this worker: {next(iter(failed.values()))}", file=sys.stderr)
         return 1
-    return 0
+    return TIME_LIMIT if held else 0

@@ -112,6 +112,23 @@ def test_three_workers_train_every_run_once(tmp_path, postgres, cli, cli_env, re
     assert db in files and not [p for p in files if secret.encode() in p.read_bytes()]
 
 
+def test_a_worker_s_time_limit_leaves_runs_queued_for_the_next(tmp_path, postgres, cli, reference, val_losses):
+    """``worker --time-limit``: 1 s is over before a run could start (exit 75, every run still queued, none
+    failed); a worker with an hour trains them all, to one host's losses."""
+    url = postgres.new_db()
+    assert cli("sweeps", "isoflop", "--enqueue-only", f"sweep.storage={url}", *ARGS).returncode == 0
+    short = cli("sweeps", "worker", "--storage", url, "--time-limit", "1")
+    assert short.returncode == 75, short.stdout[-2000:] + short.stderr[-2000:]
+    assert "time limit: 3 runs still queued" in short.stdout
+    assert _trials(url) == sorted((rid, "WAITING") for rid in reference)
+    long = cli("sweeps", "worker", "--storage", url, "--time-limit", "1h")
+    assert long.returncode == 0 and "no runs left" in long.stdout, long.stdout[-2000:] + long.stderr[-2000:]
+    assert _trials(url) == sorted((rid, "COMPLETE") for rid in reference)
+    db = tmp_path / "results.db"
+    assert cli("sweeps", "collect", "--storage", url, "--db", str(db)).returncode == 0
+    assert val_losses(db) == reference
+
+
 def test_a_killed_worker_s_run_is_retried_from_its_checkpoint(tmp_path, postgres, cli, cli_env, reference, val_losses):
     """kill -9 of a worker mid-run: its training process dies with it; after the grace period the other worker
     fails the stale trial, Optuna's retry callback queues the run again, and it resumes from its checkpoint."""

@@ -17,6 +17,10 @@ from dataclasses import dataclass, field
 
 PARTS = ("start-up", "run set-up", "compilation and first steps", "training steps", "evaluation",
          "idle or between runs", "analysis")  # fmt: skip
+STOPPED = {  # why a command ended before its report -> how its usage says so
+    "interrupted": "interrupted before its report",  # Ctrl-C, SIGTERM, a fault
+    "time limit": "stopped at its time limit, before its report",  # --time-limit: runs left queued
+}
 SHARED = {"mps": "runs sharing a GPU under MPS", "time-sliced": "runs sharing a GPU time-sliced"}
 
 
@@ -72,9 +76,9 @@ class Usage:
         if metrics.mfu is not None:
             self.mfu_flops += metrics.mfu * train_flops * share
 
-    def row(self, now: float | None = None, interrupted: bool = False) -> dict:
+    def row(self, now: float | None = None, stopped: str | None = None) -> dict:
         """The ``sweep_usage`` row up to ``now`` (default: this moment); parts in device-seconds, summing to
-        wall x devices; ``interrupted``: the command was stopped (Ctrl-C, SIGTERM) before its report."""
+        wall x devices; ``stopped``: why the command ended before its report (``STOPPED``), None when it did not."""
         now = time.time() if now is None else now
         training = self.training if self.training is not None else now
         trained = self.trained if self.trained is not None else now
@@ -101,7 +105,8 @@ class Usage:
                 **parts,
                 "runs_mfu": self.mfu_flops / self.flops if known and self.flops else None,
                 "sharing": self.sharing,
-                "interrupted": interrupted,
+                "interrupted": stopped is not None,  # before its report, by ``stopped``
+                "stopped": stopped,
             },
         }
 
@@ -125,5 +130,5 @@ def lines(row: dict) -> list[str]:
         if k == "training steps" and parts.get("runs_mfu") is not None:
             share += f" (the runs' MFU {parts['runs_mfu']:.1%}, FLOP-weighted)"
         shares.append(share)
-    stopped = " (interrupted before its report)" if parts.get("interrupted") else ""
+    stopped = f" ({STOPPED.get(parts.get('stopped'), STOPPED['interrupted'])})" if parts.get("interrupted") else ""
     return [head + stopped, "  where the time went: " + ", ".join(shares)]

@@ -1,0 +1,117 @@
+"""A command's time limit (``--time-limit``: a GPU lent for minutes, a SLURM job's ``--time``): a queued run starts
+only when the sweep's finished runs predict that it ends within the limit, the longest of those first, so the
+command stops with the rest still queued instead of killing runs half-way, whose time is lost (a fifth of a
+9-minute H200 command, 2026-12-05).
+
+A prediction is the run's set-up, training and evaluation seconds, from the finished runs of its sweep:
+
+- a shape trained before (same sweep, arch, width, depth and batch): its slowest seconds per step times the run's
+  steps, plus its longest set-up and evaluation;
+- another shape: its training FLOPs at the lowest FLOP rate the sweep's runs of its arch reached (of every arch
+  when none of its own has finished), scaled down with width for a narrower model (the queue's ``cost``: small
+  matmuls run further below peak), plus the longest set-up and evaluation seen;
+- nothing finished yet: no prediction; such a run starts first, while the time left is longest.
+
+The finished runs shared the device with the others in flight as the queued ones will, and compilation is in their
+seconds per step; ``MARGIN`` covers that the number of runs sharing it changes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+MARGIN = 1.2  # a run starts when now + MARGIN x its predicted seconds is within the limit
+TIME_LIMIT = 75  # the exit code of a command that stopped at its time limit with runs still queued (EX_TEMPFAIL)
+
+
+def parse(text: str) -> float:
+    """``--time-limit``'s seconds: a positive number of seconds, or of minutes or hours with ``m`` or ``h``
+    (``540``, ``9m``, ``1.5h``).
+
+    Raises:
+        ConfigError: anything else.
+    """
+    from mixdepth.config import ConfigError
+
+    scale = {"s": 1, "m": 60, "h": 3600}.get(text[-1:].lower(), 0)
+    try:
+        value = float(text[:-1] if scale else text) * (scale or 1)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"--time-limit must be positive seconds, or minutes or hours (540, 9m, 1.5h), got {text!r}")
+    return value
+
+
+def _shape(row: dict) -> tuple:
+    return row["sweep_id"], row["arch"], row["d_model"], row["n_layers"], row["batch_size"], row["seq_len"]
+
+
+def _fixed(row: dict) -> float:
+    """A finished run's seconds outside its steps: set-up before them, evaluation after."""
+    return (row.get("setup_s") or 0.0) + (row.get("eval_s") or 0.0)
+
+
+def predictor(finished: Iterable[dict]) -> Callable[[dict], float | None]:
+    """``seconds(row)``: a queued run's predicted seconds (module docstring), from the finished runs' rows with
+    their ``RunMetrics`` (``queue.finished``); None when none has finished. Diverged runs are left out (they may
+    stop early)."""
+    done = [r for r in finished if r.get("status") == "ok" and r["wall_s"] > 0]
+    per_step: dict[tuple, float] = {}
+    fixed: dict[tuple, float] = {}
+    rates: dict[str, list[tuple[float, int]]] = {}  # arch -> (FLOP/s, width) of each finished run
+    for r in done:
+        k = _shape(r)
+        per_step[k] = max(per_step.get(k, 0.0), r["wall_s"] / r["steps"])
+        fixed[k] = max(fixed.get(k, 0.0), _fixed(r))
+        rates.setdefault(r["arch"], []).append((r["train_flops"] / r["wall_s"], r["d_model"]))
+    longest = max(fixed.values(), default=0.0)
+    every = [x for xs in rates.values() for x in xs]
+
+    def seconds(row: dict) -> float | None:
+        if not done:
+            return None
+        if (k := _shape(row)) in per_step:
+            return fixed[k] + per_step[k] * row["steps"]
+        d = row["d_model"]
+        rate = min(flops * min(1.0, d / width) for flops, width in rates.get(row["arch"], every))
+        return longest + row["train_flops"] / rate
+
+    return seconds
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """A command's time limit: ``limit`` seconds from ``start`` (``clock`` seconds, the command's start)."""
+
+    start: float
+    limit: float
+    clock: Callable[[], float] = field(default=time.time, compare=False)
+
+    def left(self) -> float:
+        return self.start + self.limit - self.clock()
+
+    def order(self, finished: Iterable[dict]) -> Callable[[dict], float | None]:
+        """``key(row)``: None when a queued run, started now, is not predicted (from ``finished``) to end in time;
+        else its place among those that are: the longest predicted first (an unpredicted one before all), so the
+        runs that need most of the time left start while they still fit."""
+        seconds = predictor(finished)
+
+        def key(row: dict) -> float | None:
+            left = self.left()
+            s = seconds(row)
+            if left <= 0 or (s is not None and MARGIN * s > left):
+                return None
+            return -math.inf if s is None else -s
+
+        return key
+
+    def held(self, n: int) -> str:
+        """The line of a command that ends with ``n`` runs still queued, none of which would end in time."""
+        return (
+            f"time limit: {n} run{'s' * (n > 1)} still queued, none predicted to end within the"
+            f" {max(0.0, self.left()):.0f} s left of {self.limit:g} s"
+        )

@@ -1,0 +1,198 @@
+"""``--time-limit``: a run starts only when the sweep's finished runs predict that it ends in time (the longest of
+those first), and the command ends with the rest queued, exit code 75; a rerun resumes. The scheduling is checked
+on a simulated clock with runs of known length, the command end to end on the CPU."""
+
+from pathlib import Path
+
+import duckdb
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from mixdepth.results import RunMetrics, journal_path
+from mixdepth.train import RunResult
+from sweeps import queue
+from sweeps.deadline import MARGIN, TIME_LIMIT, Deadline, parse, predictor
+
+SMALL = [  # 4 runs of one thread each: 2 shapes x 2 budgets
+    "sweep.name=limited",
+    "sweep.archs=[dense]",
+    "sweep.budgets=[1e9,2e9]",
+    "sweep.ladder=[{d_model: 16, n_layers: 1, n_heads: 2}, {d_model: 24, n_layers: 1, n_heads: 2}]",
+    "sweep.min_steps=4",
+    "sweep.max_extra=0",
+    "data.seq_len=32",
+    "data.max_bytes=200000",
+    "data.val_tokens=2048",
+    "train.batch_size=4",
+    "train.threads=1",
+    "train.progress=false",
+    "train.accelerator=cpu",
+]
+
+
+def row(arch="dense", d=192, layers=3, steps=100, flops=1e15, **metrics) -> dict:
+    base = {"sweep_id": "s", "arch": arch, "d_model": d, "n_layers": layers, "batch_size": 32, "seq_len": 1024}
+    return {**base, "steps": steps, "train_flops": flops, **metrics}
+
+
+def done(wall, setup=2.0, evaluate=1.0, status="ok", **kw) -> dict:
+    return row(**kw, status=status, wall_s=wall, setup_s=setup, eval_s=evaluate)
+
+
+def test_a_shape_trained_before_is_predicted_from_its_slowest_seconds_per_step():
+    seconds = predictor([done(100.0, steps=1000), done(60.0, steps=500, setup=5.0)])
+    assert seconds(row(steps=300)) == pytest.approx(5.0 + 1.0 + 300 * 0.12)  # 60 s / 500 steps, the slower
+
+
+def test_another_shape_takes_the_lowest_flop_rate_of_its_arch_scaled_down_for_a_narrower_model():
+    finished = [
+        done(100.0, d=256, layers=4, flops=1e15),  # 1e13 FLOP/s
+        done(50.0, d=192, layers=3, flops=1e15),  # 2e13 FLOP/s
+        done(10.0, arch="mod", d=192, layers=3, flops=1e15, setup=9.0),  # another arch's: not used but its set-up
+    ]
+    seconds = predictor(finished)
+    wide = row(d=768, layers=12, flops=4e15)
+    assert seconds(wide) == pytest.approx(10.0 + 4e15 / 1e13)  # the longest set-up + evaluation of any run
+    narrow = row(d=96, layers=2, flops=1e15)  # at 96/192 and 96/256 of those rates: 1e13 and 3.75e12 FLOP/s
+    assert seconds(narrow) == pytest.approx(10.0 + 1e15 / (1e13 * 96 / 256))
+    unseen_arch = row(arch="moda", d=192, layers=3, flops=1e15)  # of every arch: dense d 256's, scaled to d 192
+    assert seconds(unseen_arch) == pytest.approx(10.0 + 1e15 / (1e13 * 192 / 256))
+
+
+def test_diverged_runs_and_an_empty_sweep_predict_nothing():
+    assert predictor([])(row()) is None
+    assert predictor([done(5.0, status="diverged")])(row()) is None
+
+
+def test_a_run_fits_when_its_margin_of_prediction_is_within_the_time_left_longest_first():
+    now = [1000.0]
+    limit = Deadline(start=900.0, limit=400.0, clock=lambda: now[0])  # 300 s left
+    key = limit.order([done(97.0, steps=1000)])  # 0.097 s a step, 3 s outside them
+    assert key(row(steps=1000)) == -100.0
+    assert key(row(steps=int((300 / MARGIN - 3) / 0.097))) is not None
+    assert key(row(steps=int((300 / MARGIN - 3) / 0.097) + 1)) is None
+    assert limit.order([])(row()) == float("-inf")  # nothing finished: unpredicted, starts first
+    now[0] = 1300.0
+    assert limit.order([])(row()) is None  # past the limit nothing starts
+
+
+@pytest.mark.parametrize("text,seconds", [("540", 540.0), ("9m", 540.0), ("1.5h", 5400.0), ("30s", 30.0)])
+def test_time_limit_values(text, seconds):
+    assert parse(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["0", "-3m", "abc", "9x", "inf", "nan", "m", ""])
+def test_bad_time_limit_values(text):
+    from mixdepth.config import ConfigError
+
+    with pytest.raises(ConfigError, match="--time-limit"):
+        parse(text)
+
+
+@pytest.fixture(scope="module")
+def payloads() -> list[dict]:
+    """The SMALL sweep's 4 queued runs, as the sweep queues them."""
+    from mixdepth.config import load_config
+    from sweeps.plan import plan, sweep_id
+    from sweeps.runner import payload
+
+    lab = load_config(Path(__file__).resolve().parents[1] / "conf", "isoflop", SMALL)
+    sid = sweep_id(lab, "isoflop")
+    return [payload(lab, sid, t) for t in plan(lab, sid)[0]]
+
+
+class Simulated:
+    """One slot whose runs take ``seconds(row)`` on the clock ``now``: ``Drain``'s pool without training."""
+
+    def __init__(self, seconds, rows: dict[str, dict]):
+        self.now, self.seconds, self.rows = 0.0, seconds, rows
+        self.job, self.log = None, []  # (run_id, start, end) of each run
+
+    free = property(lambda self: int(self.job is None))
+
+    def submit(self, key, run) -> None:
+        self.job = key
+
+    def wait(self, timeout=None):
+        rid, self.job = self.job, None
+        r = self.rows[rid]
+        wall = self.seconds(r) - 3.0
+        start, self.now = self.now, self.now + self.seconds(r)
+        self.log.append((rid, start, self.now))
+        m = RunMetrics("ok", 1.0, None, 1.0, wall, 1.0, None, None, "sim", "32", {}, "c", "f", None, 2.0, 1.0)
+        return rid, RunResult(m), None
+
+
+def _drain(payloads, seconds, limit: float | None):
+    from sweeps.worker import Drain
+
+    study = optuna.create_study()
+    queue.enqueue(study, payloads)
+    pool = Simulated(seconds, {p["row"]["run_id"]: p["row"] for p in payloads})
+    deadline = None if limit is None else Deadline(start=0.0, limit=limit, clock=lambda: pool.now)
+    assert Drain(studies=[study], pool=pool, deadline=deadline).run() == {}
+    return study, pool.log
+
+
+@pytest.mark.parametrize("limit,started", [(100.0, [0, 1, 2]), (85.0, [0, 2]), (60.0, [0])])
+def test_runs_start_only_when_they_end_in_time_and_the_rest_stay_queued(payloads, limit, started):
+    """The queue's 4 runs (327, 188, 164, 94 steps) take 10 s + 0.1 s a step; with no limit all train in queue
+    order. With one, the first starts unpredicted (42.7 s); the next when predicted to end in time: the 188-step run
+    (another shape: 51 s with the margin, from the first run's FLOP rate) fits in the 57 s left of 100 but not in
+    the 42 s left of 85, where the 164-step one (27.5 s, from its shape's seconds per step) starts in its place.
+    Every run ends within the limit; the others stay queued for a later command."""
+    seconds = lambda r: 10.0 + 0.1 * r["steps"]  # noqa: E731
+    order = [queue.run_id(t) for t in _queued(payloads)]
+    assert [r for r, _, _ in _drain(payloads, seconds, None)[1]] == order
+    study, log = _drain(payloads, seconds, limit)
+    assert [r for r, _, _ in log] == [order[i] for i in started]
+    assert all(end <= limit for _, _, end in log), log
+    left = [queue.run_id(t) for t in queue.trials(study, TrialState.WAITING)]
+    assert left == [r for i, r in enumerate(order) if i not in started]
+
+
+def _queued(payloads) -> list:
+    study = optuna.create_study()
+    queue.enqueue(study, payloads)
+    return queue.trials(study, TrialState.WAITING)
+
+
+def test_a_time_limited_sweep_leaves_no_row_and_its_rerun_trains_every_run(cli, tmp_path, status_row):
+    """1 s is over before the first run could start: exit 75, the 4 runs queued, no row; the rerun with an hour
+    trains them all (every one predicted to fit) and reports, exit 0."""
+    db = tmp_path / "r.db"
+    r = cli("sweeps", "isoflop", "--db", str(db), "--time-limit", "1", *SMALL)
+    assert r.returncode == TIME_LIMIT, r.stderr[-2000:]
+    assert "time limit: 4 runs still queued" in r.stdout and "rerun the same command" in r.stdout, r.stdout
+    con = duckdb.connect(str(db), read_only=True)
+    assert con.execute("SELECT count(*) FROM runs").fetchone() == (0,)
+    con.close()
+    row = status_row(cli("sweeps", "status", "--db", str(db)).stdout, "limited")
+    assert [row[k] for k in ("planned", "queued", "running", "failed attempts")] == ["4", "4", "0", "0"]
+    assert journal_path(db).exists()
+    r = cli("sweeps", "isoflop", "--db", str(db), "--time-limit", "1h", *SMALL)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "4 to run" in r.stdout and "time limit" not in r.stdout and "report:" in r.stdout, r.stdout
+    con = duckdb.connect(str(db), read_only=True)
+    assert con.execute("SELECT count(*), count(DISTINCT run_id) FROM runs WHERE status = 'ok'").fetchone() == (4, 4)
+    con.close()
+
+
+@pytest.mark.parametrize("extra", [["--time-limit", "0"], ["--time-limit", "5x"], ["--time-limit", "9", "--dry-run"]])
+def test_a_bad_time_limit_is_one_line_and_writes_nothing(cli, tmp_path, extra):
+    r = cli("sweeps", "isoflop", "--db", str(tmp_path / "r.db"), *extra, *SMALL)
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(err) == 1 and "--time-limit" in err[0], r.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_usage_says_a_command_stopped_at_its_time_limit():
+    from mixdepth import usage
+
+    used = usage.Usage("s", slots=1, gpus=1, started=0.0, training=1.0, trained=9.0, peak=1e12)
+    used.add(RunMetrics("ok", 1.0, None, 1.0, 5.0, 1e6, 0.1, 1e12, "d", "bf16", {}, "c", "f", None), 1, 1e12)
+    stopped = usage.lines(used.row(now=10.0, stopped="time limit"))[0]
+    assert stopped.endswith("(stopped at its time limit, before its report)"), stopped
+    assert usage.lines(used.row(now=10.0, stopped="interrupted"))[0].endswith("(interrupted before its report)")
+    assert "before its report" not in usage.lines(used.row(now=10.0))[0]

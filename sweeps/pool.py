@@ -57,6 +57,9 @@ def _serve(conn: Connection, gpu: str | None, parent: int) -> None:
             reply = ("ok", fit_fresh(run))
         except Exception as e:  # e.g. torch.OutOfMemoryError; SystemExit ends the worker, reported as its death
             reply = ("error", _first_line(e))
+        except KeyboardInterrupt:  # SIGTERM in training (the trainer raises it), e.g. sent to the whole process group
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # by timeout or scancel: die of it, without a traceback
+            os.kill(os.getpid(), signal.SIGTERM)
         conn.send(reply)
 
 

@@ -25,15 +25,17 @@ GRID = [
 ]
 
 
-def start(db, until: str, env, stderr=subprocess.PIPE) -> subprocess.Popen:
-    """The sweep of GRID into ``db`` as a subprocess, returned once it has printed a line starting ``until``."""
+def start(db, until: str, env, stderr=subprocess.PIPE, extra=(), group=False) -> subprocess.Popen:
+    """The sweep of GRID (and ``extra``) into ``db`` as a subprocess (``group``: leading a process group of its own,
+    its workers' too), returned once it has printed a line starting ``until``."""
     p = subprocess.Popen(
-        [sys.executable, "-m", "sweeps", "isoflop", "--db", str(db), *GRID],
+        [sys.executable, "-m", "sweeps", "isoflop", "--db", str(db), *GRID, *extra],
         cwd=db.parent,
         stdout=subprocess.PIPE,
         stderr=stderr,
         text=True,
         env=env,
+        start_new_session=group,
     )
     for line in p.stdout:
         if line.startswith(until):
@@ -81,6 +83,33 @@ def test_signal_in_training_exits_130_and_resumes(tmp_path, cli, cli_env, uninte
     assert r.returncode == 0, r.stderr
     assert "2 runs planned, 1 already in" in r.stdout
     assert val_losses(db) == uninterrupted
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_sigterm_to_a_worker_in_training_is_its_death_without_a_traceback(tmp_path, cli_env):
+    """``timeout`` and ``scancel`` signal every process of the command; a worker that gets SIGTERM in the
+    trainer's fit dies of it quietly (no traceback of its own), here before the sweep does: each run's attempt fails
+    as the worker's death, and the retry trains it."""
+    import os
+    from pathlib import Path
+
+    extra = ["sweep.workers=2", "train.threads=1", "sweep.budgets=[3e11]"]  # two runs of about 30 s at once
+    p = start(tmp_path / "results.db", "[2/2]", cli_env, extra=extra)
+    time.sleep(8.0)  # both workers are in the trainer's fit
+    workers = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            stat, cmd = (proc / "stat").read_text(), (proc / "cmdline").read_bytes()
+        except OSError:  # ended meanwhile
+            continue
+        if int(stat[stat.rindex(")") + 2 :].split()[1]) == p.pid and b"spawn_main" in cmd:
+            workers.append(int(proc.name))
+    assert len(workers) == 2, workers
+    for w in workers:
+        os.kill(w, signal.SIGTERM)
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0 and "Traceback" not in err, err[-3000:]
+    assert out.count("failed: worker died (signal 15); queued again") == 2, out
 
 
 def test_kill_9_then_rerun_resumes_and_counts_only_started_attempts(

@@ -41,5 +41,7 @@ def test_requeued_batch_job_runs_again(slurm, tmp_path):
         time.sleep(0.1)
     slurm.run(["scontrol", "requeue", job])
     slurm.start_now(job)
-    assert slurm.wait_jobs(job) == {job: "COMPLETED"}
-    assert (tmp_path / "runs").read_text().split() == ["0", "1"]
+    states = slurm.wait_jobs(job)  # on a failure: the job's fields, its runs and the daemons' logs, to tell why
+    runs = (tmp_path / "runs").read_text().split()
+    assert states == {job: "COMPLETED"}, (states, slurm.jobs(job), runs, slurm.logs())
+    assert runs == ["0", "1"]

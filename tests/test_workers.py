@@ -15,10 +15,12 @@ from mixdepth.results import journal_path
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
-ARGS = [  # 4 runs: two short ones at the first budget, then two ~4x longer ones while the kills land
+ARGS = [  # 4 runs of 2-3 s of training, two budgets close together: whichever two train when a kill lands (after
+    # the first or the second finished run), each has a second or more left however loaded the machine (budgets 4x
+    # apart, the queue's longest-first order had 0.1 s runs in flight at the second, whose worker could be idle)
     "sweep.name=pool",
     "sweep.archs=[dense]",
-    "sweep.budgets=[2.5e8,1e9]",
+    "sweep.budgets=[4e9,4.5e9]",
     "sweep.ladder=[{d_model: 16, n_layers: 1, n_heads: 2}, {d_model: 24, n_layers: 1, n_heads: 2}]",
     "sweep.min_steps=4",
     "sweep.max_extra=0",  # the grid alone (tests/test_bracket.py adds sizes)

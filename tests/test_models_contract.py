@@ -7,6 +7,11 @@ edit here), the variants that take other code paths, and the shapes the per-fami
 per-family files keep what is specific to a family.
 """
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -354,6 +359,41 @@ def test_block_scope_compiles_one_graph_per_kind_of_block(arch):
     assert graphs[0] == graphs[1] > 0, graphs
     with pytest.raises(ValueError, match="compile scope must be 'model' or 'block'"):
         build(arch, {}).compile(scope="layer")
+
+
+# One compiled loss and backward in a fresh process: AOTAutograd's cache counters and the loss, as JSON.
+_CACHED_STEP = """
+import json, sys, torch
+from torch._dynamo.utils import counters
+from mixdepth.models import MODELS
+config, model = MODELS[sys.argv[1]]
+torch.manual_seed(0)
+m = model(config(d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, seq_len=16, vocab_size=64))
+m.compile(scope="block")
+x = torch.randint(0, 64, (2, 17))
+loss = m.loss(x[:, :-1], x[:, 1:])
+loss.backward()
+print(json.dumps({"loss": loss.item(), **counters["aot_autograd"]}))
+"""
+
+
+@pytest.mark.parametrize("arch", ["mod", "mode"])
+def test_routed_graphs_are_served_from_the_compile_cache(arch, tmp_path):
+    """The routers' fp32 region (an autocast context in the graph) made AOTAutograd's cache bypass the routed
+    families' graphs, so every sweep run traced them again: a second process with the same on-disk caches now
+    takes them from the cache (no bypass), with the same loss."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    runs = []
+    for _ in range(2):
+        out = subprocess.run(
+            [sys.executable, "-c", _CACHED_STEP, arch], env=env, capture_output=True, text=True, timeout=600
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    first, second = runs
+    assert first.get("autograd_cache_bypass", 0) == second.get("autograd_cache_bypass", 0) == 0, runs
+    assert first.get("autograd_cache_saved", 0) > 0 and second.get("autograd_cache_hit", 0) > 0, runs
+    assert second["loss"] == first["loss"], runs
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Inductor with CUDA graphs needs a GPU")

@@ -65,10 +65,8 @@ def _header_lines(fits: SweepFits, summary: Mapping[str, Any]) -> list[str]:
     counts = ", ".join(f"{k}: {v}" for k, v in by_status.items()) or "none"
     if planned is None:
         done = f"**{finished} runs finished; planned count unknown** (the store does not record the plan)"
-    elif finished > planned:
+    else:  # the finished runs may hold sizes added to bracket an optimum: the store does not say which
         done = f"**{finished} runs finished; {planned} planned** (sizes added to bracket an optimum come on top)"
-    else:
-        done = f"**{finished} of {planned} planned runs finished**"
     lines = [
         f"- {done}",
         f"- runs by status: {counts}; failed attempts stay in the sweep's queue, not here (`python -m sweeps status`)",
@@ -77,8 +75,8 @@ def _header_lines(fits: SweepFits, summary: Mapping[str, Any]) -> list[str]:
         lines.append(f"- {no_status} runs recorded without a status")
     if planned is not None and finished < planned:
         lines.append(
-            f"- **Partial sweep**: {planned - finished} planned runs have not finished; every fit below uses only"
-            " the runs that did"
+            f"- **Partial sweep**: at least {planned - finished} planned runs have not finished; every fit below uses"
+            " only the runs that did"
         )
     lines += [
         f"- name: {summary.get('name') or '–'}; preset: {summary.get('preset') or '–'};"

@@ -380,8 +380,8 @@ print(json.dumps({"loss": loss.item(), **counters["aot_autograd"]}))
 @pytest.mark.parametrize("arch", ["mod", "mode"])
 def test_routed_graphs_are_served_from_the_compile_cache(arch, tmp_path):
     """The routers' fp32 region (an autocast context in the graph) made AOTAutograd's cache bypass the routed
-    families' graphs, so every sweep run traced them again: a second process with the same on-disk caches now
-    takes them from the cache (no bypass), with the same loss."""
+    families' graphs, so each process traced them again: a second process with the same on-disk caches now takes
+    them from the cache (no bypass), with the same loss."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
     runs = []
     for _ in range(2):

@@ -89,7 +89,10 @@ def test_three_workers_train_every_run_once(tmp_path, postgres, cli, cli_env, re
     for w in workers:
         w.wait(300)
     logs = [(tmp_path / f"w{i}.log").read_text() for i in range(3)]
-    assert [w.returncode for w in workers] == [0, 0, 0], logs
+    codes = [w.returncode for w in workers]
+    assert codes == [0, 0, 0], "\n".join(
+        f"--- w{i}: exit {c}\n{log[-3000:]}" for i, (c, log) in enumerate(zip(codes, logs, strict=True))
+    )
     assert seen_running, "status never showed a running run with its host"
     st = cli("sweeps", "status", "--storage", url, "--db", str(tmp_path / "none.db"))  # the CLI, once all finished
     assert st.returncode == 0, st.stderr[-2000:]

@@ -65,9 +65,12 @@ def status_table(paths: SweepPaths, where: str | None = None) -> str:
     db = _db_rows(paths, required=where is None)
     storage = _storage(paths, where)
     counts: dict[str, queue.Counts] = {}
-    metas = queue.sweeps_in(storage) if storage is not None else {}
-    for name, meta in metas.items():
-        counts[name] = queue.counts(queue.load(storage, name), meta)
+    try:
+        metas = queue.sweeps_in(storage) if storage is not None else {}
+        for name, meta in metas.items():
+            counts[name] = queue.counts(queue.load(storage, name), meta)
+    finally:
+        queue.close(storage)
     ids = list(db) + [sid for sid in metas if sid not in db]
     if not ids:
         return f"no sweeps in {queue.redact(where) if where else paths.db}"
@@ -116,9 +119,12 @@ def collect(where: str, paths: SweepPaths, sweep: str | None) -> None:
     if not queue.is_url(where):
         raise queue.StorageError(f"--storage {where} is not a database URL")
     storage = _storage(paths, where)
-    chosen = selected(storage, where, sweep)
-    with results.writer(paths.db) as store:
-        for name, meta in chosen.items():
-            with store.session() as con:
-                added = collect_study(con, queue.load(storage, name), meta)
-            print(f"sweep {name}: {added} runs added to {paths.db}")
+    try:
+        chosen = selected(storage, where, sweep)
+        with results.writer(paths.db) as store:
+            for name, meta in chosen.items():
+                with store.session() as con:
+                    added = collect_study(con, queue.load(storage, name), meta)
+                print(f"sweep {name}: {added} runs added to {paths.db}")
+    finally:
+        queue.close(storage)

@@ -272,7 +272,11 @@ def serve(where: str, sweep: str | None, workers: int, overrides: list[str], tim
     host = train_overrides(overrides, HOST_KEYS)
     if not queue.is_url(where):
         raise queue.StorageError(f"--storage {where} is not a database URL (workers share an RDB, e.g. PostgreSQL)")
-    chosen = selected(queue.open_storage(where, create=False), where, sweep)
+    found = queue.open_storage(where, create=False)
+    try:
+        chosen = selected(found, where, sweep)
+    finally:
+        queue.close(found)
     studies = []
     for name, meta in chosen.items():
         s = meta["config"]["sweep"]

@@ -118,6 +118,21 @@ class Postgres:
         self._sql(f"CREATE DATABASE {name} OWNER {USER}")
         return self.url(name)
 
+    def connections(self, url: str, wait: float = 5.0) -> int:
+        """How many connections are open to the database of ``url`` (one of ``new_db``'s), once none is left or
+        ``wait`` seconds have passed (a server ends a closed connection's backend a moment after the client hangs up)."""
+        import psycopg
+
+        dsn = f"host=127.0.0.1 port={self.port} user=postgres password={self._super_password} dbname=postgres"
+        db = url.rsplit("/", 1)[1]
+        deadline = time.monotonic() + wait
+        with psycopg.connect(dsn, autocommit=True) as con:
+            while True:
+                (n,) = con.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = %s", (db,)).fetchone()
+                if n == 0 or time.monotonic() > deadline:
+                    return n
+                time.sleep(0.05)
+
     def stop(self) -> None:
         """Stop the server at once (its data is thrown away) and remove the folder."""
         try:

@@ -115,6 +115,20 @@ def test_three_workers_train_every_run_once(tmp_path, postgres, cli, cli_env, re
     assert db in files and not [p for p in files if secret.encode() in p.read_bytes()]
 
 
+def test_status_and_collect_hand_their_connections_back(tmp_path, postgres, cli):
+    """``status`` polled in one process (a notebook, a test's loop) held dozens of connections until the garbage
+    collector ran, and a server refuses connections past ``max_connections``: every call gives its own back."""
+    url = postgres.new_db()
+    assert cli("sweeps", "isoflop", "--enqueue-only", f"sweep.storage={url}", *ARGS).returncode == 0
+    from sweeps.__main__ import main
+
+    for _ in range(3):
+        assert main(["status", "--storage", url, "--db", str(tmp_path / "none.db")]) == 0
+        assert postgres.connections(url) == 0
+    assert main(["collect", "--storage", url, "--db", str(tmp_path / "r.db")]) == 0
+    assert postgres.connections(url) == 0
+
+
 def test_a_worker_s_time_limit_leaves_runs_queued_for_the_next(tmp_path, postgres, cli, reference, val_losses):
     """``worker --time-limit``: 1 s is over before a run could start (exit 75, every run still queued, none
     failed); a worker with an hour trains them all, to one host's losses."""

@@ -43,5 +43,6 @@ def test_requeued_batch_job_runs_again(slurm, tmp_path):
     slurm.start_now(job)
     states = slurm.wait_jobs(job)  # on a failure: the job's fields, its runs and the daemons' logs, to tell why
     runs = (tmp_path / "runs").read_text().split()
-    assert states == {job: "COMPLETED"}, (states, slurm.jobs(job), runs, slurm.logs())
+    # a string, not a tuple: pytest cuts a message that is not a string down to 240 characters
+    assert states == {job: "COMPLETED"}, f"{states}\nruns {runs}\n{slurm.jobs(job)}\n{slurm.logs()}"
     assert runs == ["0", "1"]

@@ -9,6 +9,7 @@ process carries that folder's ``SLURM_CONF`` in its environment, which is how ``
 
 import contextlib
 import getpass
+import math
 import os
 import re
 import shutil
@@ -149,7 +150,9 @@ class SlurmCluster:
             time.sleep(0.2)
 
     def start_now(self, job_id: str, timeout: float = 30) -> None:
-        """Once a requeued job is pending again, let it start at once instead of after SLURM's 120 s delay.
+        """Once a requeued job is pending again, let it start within a second or two instead of after SLURM's 120 s
+        delay. Not in the second of the requeue: the requeue revoked the job's credential, with a resolution of one
+        second, and slurmd refuses a launch in that second ("Job credential revoked"): the job ends FAILED.
 
         Raises:
             TimeoutError: the job is not pending within ``timeout`` s.
@@ -159,7 +162,8 @@ class SlurmCluster:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"job {job_id} not pending again after {timeout} s: {state}")
             time.sleep(0.1)
-        self.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])
+        time.sleep(math.floor(time.time()) + 1.05 - time.time())  # the next second (StartTime=now+1 waits for a
+        self.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])  # scheduler pass, up to a minute)
 
     def logs(self) -> str:
         """The daemons' log tails, for failure messages."""

@@ -162,8 +162,9 @@ class SlurmCluster:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"job {job_id} not pending again after {timeout} s: {state}")
             time.sleep(0.1)
-        time.sleep(math.floor(time.time()) + 1.05 - time.time())  # the next second (StartTime=now+1 waits for a
-        self.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])  # scheduler pass, up to a minute)
+        # into the next second, then now: StartTime=now+1 instead would wait for a scheduler pass, up to a minute
+        time.sleep(math.floor(time.time()) + 1.05 - time.time())
+        self.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])
 
     def logs(self) -> str:
         """The daemons' log tails, for failure messages."""

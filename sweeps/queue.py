@@ -15,10 +15,11 @@ from __future__ import annotations
 import os
 import socket
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import optuna
 from optuna.trial import TrialState
@@ -138,12 +139,20 @@ def open_storage(
         raise _rdb_error(url, e) from None
 
 
-def close(storage: optuna.storages.BaseStorage | None) -> None:
-    """Hand an RDB storage's pooled connections back to the server now rather than when the garbage collector
-    gets to them: a process that opens storages again and again (``status`` polled in a loop) held dozens at once,
-    and a server refuses connections past its ``max_connections``. Journals and None need nothing."""
-    if isinstance(storage, optuna.storages.RDBStorage):
-        storage.engine.dispose()
+S = TypeVar("S", bound="optuna.storages.BaseStorage | None")
+
+
+@contextmanager
+def closing(storage: S) -> Iterator[S]:
+    """``storage`` for a with-block; at its end an RDB storage's pooled connections go back to the server rather than
+    when the garbage collector gets to them: a process that opens storages again and again (``status`` polled in a
+    loop) held dozens at once, and a server refuses connections past its ``max_connections``. Journals and None need
+    nothing."""
+    try:
+        yield storage
+    finally:
+        if isinstance(storage, optuna.storages.RDBStorage):
+            storage.engine.dispose()
 
 
 def sweeps_in(storage: optuna.storages.BaseStorage) -> dict[str, dict]:

@@ -63,14 +63,11 @@ def status_table(paths: SweepPaths, where: str | None = None) -> str:
     """Fixed-width tables: the sweeps (finished runs from the database; planned, queued, running and failed
     attempts from the storage), then each running run with the host that holds it."""
     db = _db_rows(paths, required=where is None)
-    storage = _storage(paths, where)
     counts: dict[str, queue.Counts] = {}
-    try:
+    with queue.closing(_storage(paths, where)) as storage:
         metas = queue.sweeps_in(storage) if storage is not None else {}
         for name, meta in metas.items():
             counts[name] = queue.counts(queue.load(storage, name), meta)
-    finally:
-        queue.close(storage)
     ids = list(db) + [sid for sid in metas if sid not in db]
     if not ids:
         return f"no sweeps in {queue.redact(where) if where else paths.db}"
@@ -118,13 +115,10 @@ def collect(where: str, paths: SweepPaths, sweep: str | None) -> None:
     """Store the finished runs of the storage's sweeps (or of ``sweep``) that the database lacks."""
     if not queue.is_url(where):
         raise queue.StorageError(f"--storage {where} is not a database URL")
-    storage = _storage(paths, where)
-    try:
-        chosen = selected(storage, where, sweep)
+    with queue.closing(_storage(paths, where)) as storage:
+        chosen = selected(storage, where, sweep)  # before the database is opened: a wrong sweep writes nothing
         with results.writer(paths.db) as store:
             for name, meta in chosen.items():
                 with store.session() as con:
                     added = collect_study(con, queue.load(storage, name), meta)
                 print(f"sweep {name}: {added} runs added to {paths.db}")
-    finally:
-        queue.close(storage)

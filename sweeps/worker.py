@@ -272,11 +272,8 @@ def serve(where: str, sweep: str | None, workers: int, overrides: list[str], tim
     host = train_overrides(overrides, HOST_KEYS)
     if not queue.is_url(where):
         raise queue.StorageError(f"--storage {where} is not a database URL (workers share an RDB, e.g. PostgreSQL)")
-    found = queue.open_storage(where, create=False)
-    try:
+    with queue.closing(queue.open_storage(where, create=False)) as found:
         chosen = selected(found, where, sweep)
-    finally:
-        queue.close(found)
     studies = []
     for name, meta in chosen.items():
         s = meta["config"]["sweep"]

@@ -22,13 +22,17 @@ def version() -> str | None:
 
 
 def commit() -> str | None:
-    """The git commit the code runs from, or None outside a git checkout (or without git); never raises."""
+    """The git commit the code runs from, with ``-dirty`` appended when tracked files differ from it (the code that
+    ran is then not that commit's), or None outside a git checkout (or without git); never raises."""
+    git = ["git", "-C", str(SOURCE)]
     try:
-        r = subprocess.run(["git", "-C", str(SOURCE), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        r = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        if r.returncode != 0 or not r.stdout.strip():
+            return None
+        changed = subprocess.run([*git, "diff", "--quiet", "HEAD", "--"], capture_output=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return None
-    out = r.stdout.strip()
-    return out if r.returncode == 0 and out else None
+    return r.stdout.strip() + ("-dirty" if changed.returncode == 1 else "")
 
 
 def command(argv: list[str]) -> str:

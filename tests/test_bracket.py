@@ -253,7 +253,8 @@ def test_trials_show_what_they_are_and_the_sweep_its_provenance(sweeps):
     ((planned, version, commit, command),) = prov
     assert planned == 3 and version and command.startswith("python -m sweeps isoflop --db ")
     head = subprocess.run(["git", "-C", str(CONF), "rev-parse", "HEAD"], capture_output=True, text=True)
-    assert commit == (head.stdout.strip() if head.returncode == 0 else None)
+    dirty = subprocess.run(["git", "-C", str(CONF), "diff", "--quiet", "HEAD", "--"]).returncode == 1
+    assert commit == (head.stdout.strip() + "-dirty" * dirty if head.returncode == 0 else None)
 
 
 def _grid_ids() -> set[str]:

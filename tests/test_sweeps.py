@@ -284,6 +284,29 @@ def test_the_stored_command_line_hides_storage_passwords():
     )
 
 
+
+def test_the_stored_commit_says_when_the_tree_differs_from_it(tmp_path, monkeypatch):
+    """A checkout whose tracked files were changed after its commit ran other code: ``-dirty`` says so."""
+    import subprocess
+
+    from sweeps import provenance
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(tmp_path), *args], capture_output=True, text=True, check=True).stdout
+
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "a")
+    head = git("rev-parse", "HEAD").strip()
+    monkeypatch.setattr(provenance, "SOURCE", tmp_path)
+    (tmp_path / "notes.txt").write_text("untracked\n")  # an untracked file changes no code that ran
+    assert provenance.commit() == head
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert provenance.commit() == head + "-dirty"
+    monkeypatch.setattr(provenance, "SOURCE", tmp_path / "nowhere")
+    assert provenance.commit() is None
+
 ONE = [  # one run of a few seconds (a one-budget sweep is fitted without its frontier plot)
     *(o for o in SMALL if not o.startswith(("sweep.budgets", "sweep.ladder"))),
     "sweep.budgets=[1e9]",

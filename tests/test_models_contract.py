@@ -396,6 +396,59 @@ def test_routed_graphs_are_served_from_the_compile_cache(arch, tmp_path):
     assert second["loss"] == first["loss"], runs
 
 
+# A graph holding an autograd.Function (as every kernel's op on CUDA), compiled in a fresh process: argv[1] 'salted'
+# calls cache_compiled_graphs with the sources under argv[2], 'plain' does not; the cache counters, as JSON.
+_FUNCTION_STEP = """
+import json, sys, torch
+from torch._dynamo.utils import counters
+from mixdepth.models.compile_cache import cache_compiled_graphs
+
+class Cube(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x ** 3
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 3 * x * x * g
+
+if sys.argv[1] == "salted":
+    cache_compiled_graphs([sys.argv[2]])
+f = torch.compile(lambda x: Cube.apply(x).sum())
+x = torch.arange(4.0, requires_grad=True)
+f(x).backward()
+assert torch.equal(x.grad, 3 * x.detach() ** 2)
+print(json.dumps(counters["aot_autograd"]))
+"""
+
+
+def test_graphs_with_autograd_functions_are_cached_keyed_by_their_sources(tmp_path):
+    """AOTAutograd's cache bypasses a graph holding an autograd.Function unless allowed; cache_compiled_graphs
+    allows it with the key salted by the digest of the sources that define them: a second process hits, and after
+    an edit of those sources the same graph misses instead of replaying the old code."""
+    src = tmp_path / "src" / "ops"
+    src.mkdir(parents=True)
+    (src / "cube.py").write_text("CUBE = 3\n")
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}
+
+    def step(mode):
+        out = subprocess.run([sys.executable, "-c", _FUNCTION_STEP, mode, str(src)], env=env, capture_output=True,
+                             text=True, timeout=600)  # fmt: skip
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    plain = step("plain")
+    assert plain.get("autograd_cache_bypass", 0) > 0 and plain.get("autograd_cache_saved", 0) == 0, plain
+    first, second = step("salted"), step("salted")
+    assert first.get("autograd_cache_bypass", 0) == 0 and first.get("autograd_cache_saved", 0) > 0, first
+    assert second.get("autograd_cache_hit", 0) > 0 and second.get("autograd_cache_miss", 0) == 0, second
+    (src / "cube.py").write_text("CUBE = 4\n")
+    edited = step("salted")
+    assert edited.get("autograd_cache_hit", 0) == 0 and edited.get("autograd_cache_miss", 0) > 0, edited
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Inductor with CUDA graphs needs a GPU")
 @pytest.mark.parametrize("arch", list(MODELS))
 @pytest.mark.parametrize("scope", ["model", "block"])

@@ -9,24 +9,7 @@ from torch import nn
 
 from kernels.linear_ce import linear_cross_entropy
 from mixdepth.models.blocks import Block, RMSNorm, Rotary
-
-# The nodes an autocast context leaves in a compiled graph (the routers' fp32 region). AOTAutograd's cache bypasses any
-# graph holding them, so every process traced and partitioned the routed families' graphs again. What they do depends
-# only on their arguments, which are constants of the graph and so of its cache key (pytorch/pytorch#191106, allowed
-# upstream after torch 2.13). On CUDA the kernels' autograd.Functions also keep a graph out of that cache (torch's
-# autograd_cache_allow_custom_autograd_functions, off): MoDE's warm compile on the H200 spent 9.1 of its 13.1 s in
-# AOTAutograd (2026-12-02).
-AUTOCAST_NODES = ("torch.amp.autocast_mode._enter_autocast", "torch.amp.autocast_mode._exit_autocast")
-
-
-def cache_autocast_graphs() -> None:
-    """Let torch.compile's on-disk caches serve graphs that enter an autocast region (``AUTOCAST_NODES``)."""
-    import torch._inductor.config as inductor
-
-    marked = dict(inductor.unsafe_marked_cacheable_functions)
-    for name in AUTOCAST_NODES:
-        marked.setdefault(name, torch.__version__)
-    inductor.unsafe_marked_cacheable_functions = marked
+from mixdepth.models.compile_cache import cache_compiled_graphs
 
 
 class ModelConfigError(ValueError):
@@ -186,7 +169,7 @@ class DenseLM(nn.Module):
         layers (the residual stream then crosses a graph boundary at every block)."""
         if scope not in ("model", "block"):
             raise ValueError(f"compile scope must be 'model' or 'block', got {scope!r}")
-        cache_autocast_graphs()
+        cache_compiled_graphs()
         if scope == "model":
             return super().compile(*args, **kwargs)
         for name in self.REGIONS:

@@ -109,9 +109,19 @@ class Deadline:
 
         return key
 
-    def held(self, n: int) -> str:
-        """The line of a command that ends with ``n`` runs still queued, none of which would end in time."""
-        return (
+    def held(self, queued: list[dict], finished: Iterable[dict]) -> str:
+        """The line of a command that ends with the runs of ``queued`` (their rows) still queued, none of which would
+        end in time (predicted from ``finished``): rerun to resume, or, where even the shortest is predicted longer
+        than a whole command of this limit, that rerunning it would start none."""
+        n, seconds = len(queued), predictor(finished)
+        line = (
             f"time limit: {n} run{'s' * (n > 1)} still queued, none predicted to end within the"
             f" {max(0.0, self.left()):.0f} s left of {self.limit:g} s"
         )
+        predicted = [s for row in queued if (s := seconds(row)) is not None]
+        if len(predicted) == n and MARGIN * min(predicted) > self.limit:
+            return (
+                f"{line}; the shortest is predicted at {min(predicted):.0f} s (x {MARGIN:g} margin), more than a whole"
+                f" command of {self.limit:g} s: rerun with a longer --time-limit or without one"
+            )
+        return f"{line}; rerun the same command to resume"

@@ -327,9 +327,13 @@ def serve(where: str, sweep: str | None, workers: int, overrides: list[str], tim
             progress=bar,
             deadline=deadline,
         ).run()
-    held = sum(len(queue.trials(s, TrialState.WAITING)) for s in studies) if deadline else 0
+    waiting = (
+        [t.user_attrs["run"]["row"] for s in studies for t in queue.trials(s, TrialState.WAITING)] if deadline else []
+    )
+    held = len(waiting)
     if held:
-        print(f"{deadline.held(held)}; done in {time.perf_counter() - start:.0f}s")
+        finished = [row for s in studies for row, _ in queue.finished(s).values()]
+        print(f"{deadline.held(waiting, finished)}; done in {time.perf_counter() - start:.0f}s")
     else:
         print(f"no runs left: done in {time.perf_counter() - start:.0f}s")
     if failed:

@@ -120,7 +120,8 @@ class Postgres:
 
     def connections(self, url: str, wait: float = 5.0) -> int:
         """How many connections are open to the database of ``url`` (one of ``new_db``'s), once none is left or
-        ``wait`` seconds have passed (a server ends a closed connection's backend a moment after the client hangs up)."""
+        ``wait`` seconds have passed (a server ends a closed connection's backend a moment after the client hangs
+        up)."""
         import psycopg
 
         dsn = f"host=127.0.0.1 port={self.port} user=postgres password={self._super_password} dbname=postgres"

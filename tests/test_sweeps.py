@@ -284,7 +284,6 @@ def test_the_stored_command_line_hides_storage_passwords():
     )
 
 
-
 def test_the_stored_commit_says_when_the_tree_differs_from_it(tmp_path, monkeypatch):
     """A checkout whose tracked files were changed after its commit ran other code: ``-dirty`` says so."""
     import subprocess
@@ -306,6 +305,7 @@ def test_the_stored_commit_says_when_the_tree_differs_from_it(tmp_path, monkeypa
     assert provenance.commit() == head + "-dirty"
     monkeypatch.setattr(provenance, "SOURCE", tmp_path / "nowhere")
     assert provenance.commit() is None
+
 
 ONE = [  # one run of a few seconds (a one-budget sweep is fitted without its frontier plot)
     *(o for o in SMALL if not o.startswith(("sweep.budgets", "sweep.ladder"))),

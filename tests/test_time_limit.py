@@ -77,6 +77,24 @@ def test_a_run_fits_when_its_margin_of_prediction_is_within_the_time_left_longes
     assert limit.order([])(row()) is None  # past the limit nothing starts
 
 
+def test_the_stop_line_says_whether_a_rerun_can_start_the_queued_runs():
+    """A rerun of the same command starts a queued run only if it fits a whole command: where even the shortest is
+    predicted longer (a lone run of a shape never seen, priced at the sweep's slowest rate), the line says so instead
+    of sending the user round the same loop."""
+    limit = Deadline(start=0.0, limit=400.0, clock=lambda: 390.0)  # 10 s left
+    finished = [done(97.0, steps=1000)]  # 0.097 s a step, 3 s outside them
+    fits_next_time = row(steps=1000)  # 100 s
+    never = row(steps=4000)  # 391 s: x MARGIN over 400
+    line = limit.held([fits_next_time, never], finished)
+    assert line.startswith("time limit: 2 runs still queued, none predicted to end within the 10 s left of 400 s")
+    assert line.endswith("; rerun the same command to resume"), line
+    line = limit.held([never], finished)
+    assert line.endswith(
+        f"; the shortest is predicted at 391 s (x {MARGIN:g} margin), more than a whole command of 400 s: rerun with a"
+        " longer --time-limit or without one"
+    ), line
+
+
 @pytest.mark.parametrize("text,seconds", [("540", 540.0), ("9m", 540.0), ("1.5h", 5400.0), ("30s", 30.0)])
 def test_time_limit_values(text, seconds):
     assert parse(text) == seconds

@@ -46,9 +46,10 @@ def cache_compiled_graphs(sources: Sequence[Path] = SOURCES) -> None:
     for name in AUTOCAST_NODES:
         marked.setdefault(name, torch.__version__)
     inductor.unsafe_marked_cacheable_functions = marked
-    if not hasattr(compiler, "cache_key_tag") or not hasattr(functorch, "autograd_cache_allow_custom_autograd_functions"):
+    allow = "autograd_cache_allow_custom_autograd_functions"
+    if not (hasattr(compiler, "cache_key_tag") and hasattr(functorch, allow)):
         return
     salt = f"mixdepth-sources-{sources_digest(tuple(Path(s) for s in sources))}"
     kept = [t for t in compiler.cache_key_tag.split("+") if t and not t.startswith("mixdepth-sources-")]
     compiler.cache_key_tag = "+".join([*kept, salt])
-    functorch.autograd_cache_allow_custom_autograd_functions = True
+    setattr(functorch, allow, True)

@@ -4,8 +4,9 @@ AOTAutograd's cache bypasses a graph holding an autocast context (the routers' f
 autograd.Function (every kernel under ``kernels/`` on CUDA), so each process of a sweep traced and partitioned those
 graphs again: MoDE's warm compile on the H200 spent 9.1 of its 13.1 s in AOTAutograd (2026-12-02). The autocast
 nodes depend only on their arguments, constants of the graph and so of its cache key (pytorch/pytorch#191106,
-allowed upstream after torch 2.13). An autograd.Function's code is not in the key: the key is salted here with the
-sha256 of the sources that define them, so an edited kernel misses the cache instead of replaying stale code.
+allowed upstream after torch 2.13). torch keeps autograd.Functions out because what they call need not be in the key
+(here: Triton kernels, helpers around them); the key is salted here with the sha256 of the sources that define them,
+so an edited kernel misses the cache instead of replaying stale code.
 """
 
 from __future__ import annotations

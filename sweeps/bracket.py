@@ -1,13 +1,13 @@
 """Bracketed optima: sizes a sweep adds where an (arch, budget)'s isoFLOP vertex falls outside its sampled sizes.
 
-After the planned grid has trained, each (arch, budget) gets the analysis's parabola (``analysis.isoflop.
-fit_parabola``: val_loss against ln N, N the non-embedding parameters) over its finished runs. Where the vertex is
-no minimum inside the sampled N, one size is added beyond an edge: the smaller side when the vertex lies below the
-smallest size or (no minimum) the loss falls toward it, else the larger. Optuna proposes the size: a TPE sampler
-told every finished run of the (arch, budget) as a completed trial at its ln N asks ln N from a distribution over
-that side's candidates only, and the candidate nearest its proposal trains. Then the parabola is fitted again, until
-the vertex is inside or ``sweep.max_extra`` sizes were added. With 2 sizes there is no parabola yet: the side is the
-end with the lower loss; a single size gives no side, and nothing is added.
+Once every run of an (arch, budget) has finished (the rest of the grid may still train), it gets the analysis's
+parabola (``analysis.isoflop.fit_parabola``: val_loss against ln N, N the non-embedding parameters) over its
+finished runs. Where the vertex is no minimum inside the sampled N, one size is added beyond an edge: the smaller
+side when the vertex lies below the smallest size or (no minimum) the loss falls toward it, else the larger. Optuna
+proposes the size: a TPE sampler told every finished run of the (arch, budget) as a completed trial at its ln N asks
+ln N from a distribution over that side's candidates only, and the candidate nearest its proposal trains. Then the
+parabola is fitted again, until the vertex is inside or ``sweep.max_extra`` sizes were added. With 2 sizes there is
+no parabola yet: the side is the end with the lower loss; a single size gives no side, and nothing is added.
 
 Candidates extend the edge's shape (the smallest or largest sampled one): its layer count and heads, d_model in
 steps of 2 * n_heads (even head widths, for RoPE) out to half or twice the edge's d_model, each a shape the family
@@ -152,7 +152,11 @@ def propose(
 
 
 def next_sizes(
-    lab: LabConfig, sid: str, by_key: dict[tuple[str, float], list[Sized]], runs: dict[str, dict]
+    lab: LabConfig,
+    sid: str,
+    by_key: dict[tuple[str, float], list[Sized]],
+    runs: dict[str, dict],
+    only: set[tuple[str, float]] | None = None,
 ) -> tuple[list[tuple[Trial, int, str]], list[str]]:
     """One bracketing round over the sweep: the sizes to add, each with its number at its (arch, budget) and the
     line that says why; and a line for each (arch, budget) whose vertex is still outside but gets no size (its last
@@ -161,7 +165,9 @@ def next_sizes(
     Args:
         by_key: the sweep's stored runs (``stored``).
         runs: run_id -> payload of every run the sweep holds, planned or added (``payload["extra"]``), stored or
-            not; an (arch, budget) with one not stored yet (failed, to be retried by a rerun) is left as it is.
+            not; an (arch, budget) with one not stored yet (queued, training, or failed and to be retried by a rerun)
+            is left as it is.
+        only: the (arch, budget)s to look at (a run just finished there); None: every one.
     """
     s = lab.sweep
     grid = {rid for rid, p in runs.items() if "extra" not in p}
@@ -172,6 +178,8 @@ def next_sizes(
     new, left = [], []
     for arch in s.archs:
         for budget in s.budgets:
+            if only is not None and (arch, budget) not in only:
+                continue
             rows = by_key.get((arch, budget), [])
             have = {r.run_id for r in rows}
             where, why = side(rows, budget)

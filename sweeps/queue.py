@@ -268,12 +268,15 @@ def restart(study: optuna.Study, payloads: dict[str, dict[str, Any]], done: set[
 
 
 def pop(study: optuna.Study, order: Callable[[dict], float | None] | None = None) -> optuna.Trial | None:
-    """Take a queued trial of ``study`` (RUNNING now, on this host), or None when none waits: the first in queue
-    order, or with ``order`` the first by ``order(row)`` of its run's row among those whose key is not None. Race-free
-    across processes and hosts: the storage moves a trial from WAITING to RUNNING for one caller only."""
+    """Take a queued trial of ``study`` (RUNNING now, on this host), or None when none waits: the longest by ``cost``
+    (a size added to bracket an optimum, or a run queued again, takes its place among the queued ones), or with
+    ``order`` the first by ``order(row)`` of its run's row among those whose key is not None; ties in queue order.
+    Race-free across processes and hosts: the storage moves a trial from WAITING to RUNNING for one caller only."""
     storage = study._storage
     waiting = trials(study, TrialState.WAITING)
-    if order is not None:
+    if order is None:
+        waiting = sorted(waiting, key=lambda t: -cost(t.user_attrs["run"]))  # stable
+    else:
         keyed = [(k, t) for t in waiting if (k := order(t.user_attrs["run"]["row"])) is not None]
         waiting = [t for _, t in sorted(keyed, key=lambda kt: kt[0])]  # stable: ties in queue order
     for t in waiting:

@@ -285,11 +285,31 @@ def _run(
             with store.session() as con:
                 results.put_usage(con, measured[-1])
 
+    queued = len(todo)
+
+    def bracket_round(only: set[tuple[str, float]] | None = None, collect: bool = False) -> tuple[int, list[str]]:
+        """Queue the sizes that bracket optima (of the ``only`` (arch, budget)s); the number queued and the lines of
+        those still outside that get none. ``collect``: first store what other hosts finished."""
+        nonlocal queued
+        with store.session() as con:
+            if shared and collect:
+                collect_study(con, study, meta)  # what other hosts finished meanwhile
+            by_key = bracket.stored(con, sid)
+        new, left = bracket.next_sizes(lab, sid, by_key, runs, only) if lab.sweep.max_extra else ([], [])
+        for trial, k, line in new:
+            bar.line(line)
+            runs[trial.run_id] = payload(lab, sid, trial, k)
+        if new:
+            _describe(study, meta, runs)
+            queued += queue.enqueue(study, [runs[t.run_id] for t, _, _ in new], skip_finished=shared)
+        return len(new), left
+
     def add(_study, row: dict, res) -> None:
         with store.session() as con:
             results.add_run(con, {**row, **asdict(res.metrics)}, res.curve)
             used.add(res.metrics, row["tokens"], row["train_flops"], 1 - res.resumed_step / row["steps"])
             results.put_usage(con, used.row(stopped="interrupted"))  # until the report: a killed command keeps its time
+        bracket_round({(row["arch"], row["budget"])})  # its (arch, budget) may be complete: its sizes start now
 
     workers = lab.sweep.workers
     host = {}
@@ -298,12 +318,12 @@ def _run(
     start = time.perf_counter()
     used.training = time.time()
     failed: dict[str, str] = {}
-    queued = len(todo)
     try:
         with Progress() as bar:  # one bar over every drain: the runs added to bracket optima grow its total
             if bar.shown:  # the sweep's bar replaces Lightning's per-run one (two bars on one terminal overwrite)
                 host["progress"] = False
-            while True:  # train what is queued; then add sizes where an optimum is not bracketed, until none is added
+            while True:  # train what is queued, adding sizes where a finished (arch, budget)'s optimum is outside;
+                # then once more over every (arch, budget), with what other hosts finished, until none is added
                 failed |= Drain(
                     studies=[study],
                     slots=workers,
@@ -318,18 +338,9 @@ def _run(
                     pool=pool,
                     deadline=deadline,
                 ).run()
-                with store.session() as con:
-                    if shared:
-                        collect_study(con, study, meta)  # what other hosts finished meanwhile
-                    by_key = bracket.stored(con, sid)
-                new, left = bracket.next_sizes(lab, sid, by_key, runs) if lab.sweep.max_extra else ([], [])
-                if not new:
+                added, left = bracket_round(collect=True)
+                if not added:
                     break
-                for trial, k, line in new:
-                    bar.line(line)
-                    runs[trial.run_id] = payload(lab, sid, trial, k)
-                _describe(study, meta, runs)
-                queued += queue.enqueue(study, [runs[t.run_id] for t, _, _ in new], skip_finished=shared)
     except KeyboardInterrupt:  # Ctrl-C, SIGTERM: the runs trained so far used the devices too; their share is kept
         used.trained = time.time()
         record_usage(stopped="interrupted")
@@ -351,7 +362,8 @@ def _run(
         return 1 if gave_up else TIME_LIMIT
     for line in left:
         print(f"not bracketed: {line}")
-    inside = bracket.inside(lab, by_key)
+    with store.session() as con:
+        inside = bracket.inside(lab, bracket.stored(con, sid))
     print(
         "isoFLOP vertex inside the sampled sizes: "
         + ", ".join(f"{arch} at {n} of {len(lab.sweep.budgets)} budgets" for arch, n in inside.items())

@@ -169,7 +169,7 @@ def sweeps(tmp_path_factory, cli_env):
     after_kill = [(t.number, t.state.name, t.datetime_start is not None) for t in _study(cut).trials]
     # the restart also moves its checkpoint root (a key outside the sweep's identity): queued runs take it over
     moved = [*TOO_LARGE, f"train.ckpt_dir={d / 'moved'}"]
-    stopped = _until(_start(cut, moved, env), "[1/1] dense", signal.SIGTERM)  # the first added size's start
+    stopped = _until(_start(cut, moved, env), "[4/4] dense", signal.SIGTERM)  # the first added size's start
     after_stop = [(t.number, t.state.name, dict(t.user_attrs)) for t in _study(cut).trials]
     last = subprocess.run(
         [sys.executable, "-m", "sweeps", "isoflop", "--db", str(cut), *TOO_LARGE],
@@ -233,6 +233,25 @@ def test_a_killed_and_a_stopped_sweep_resume_to_the_uninterrupted_one(sweeps, va
     # failed attempts: only the killed run's (the queued ones never started, the stopped one was interrupted)
     fails = [t for t in study.trials if t.state.name == "FAIL" and not t.user_attrs.get("interrupted")]
     assert [t.number for t in fails] == [0] and fails[0].datetime_start is not None
+
+
+def test_sizes_are_added_while_the_rest_of_the_grid_still_trains(tmp_path, cli_env):
+    """An (arch, budget) whose runs have all finished gets its bracketing size at once, not after the whole grid: the
+    larger budget's runs go first (longest first), and its added size starts before the smaller budget's first run,
+    so the added runs fill the sweep's slots instead of forming a tail."""
+    env = {k: v for k, v in cli_env.items() if k != "TRITON_INTERPRET"}
+    db = tmp_path / "r.db"
+    args = [*(o for o in TOO_LARGE if not o.startswith("sweep.budgets")), "sweep.budgets=[5e8,2e8]"]
+    r = subprocess.run([sys.executable, "-m", "sweeps", "isoflop", "--db", str(db), *args], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    keys = ("bracket dense C=5.00e+08", "dense C=2.00e+08 ")
+    at = {k: next(i for i, ln in enumerate(lines) if k in ln) for k in keys}
+    started = [ln for ln in lines if ln.startswith("[") and " dense C=" in ln]
+    assert [ln.split(" d_model")[0].split("] ")[1] for ln in started[:4]] == ["dense C=5.00e+08"] * 4, started
+    assert at["bracket dense C=5.00e+08"] < at["dense C=2.00e+08 "], r.stdout
+    assert "d_model=8 " in started[3], started  # the added size, fourth, before any run of 2e8
 
 
 def test_trials_show_what_they_are_and_the_sweep_its_provenance(sweeps):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import socket
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -327,6 +327,16 @@ def finished(study: optuna.Study) -> dict[str, tuple[dict, list[dict]]]:
         res = t.user_attrs["result"]
         out[rid] = ({**t.user_attrs["run"]["row"], **res["metrics"]}, res["curve"])
     return out
+
+
+def finished_rows(studies: Iterable[optuna.Study]) -> list[dict]:
+    """The row, with its metrics, of every finished run of ``studies`` (what a time limit predicts from)."""
+    return [row for s in studies for row, _ in finished(s).values()]
+
+
+def waiting_rows(studies: Iterable[optuna.Study]) -> list[dict]:
+    """The planned row of every queued run of ``studies``."""
+    return [t.user_attrs["run"]["row"] for s in studies for t in trials(s, TrialState.WAITING)]
 
 
 @dataclass(frozen=True)

@@ -346,7 +346,7 @@ def _run(
         record_usage(stopped="interrupted")
         raise
     used.trained = time.time()
-    waiting = queue.trials(study, TrialState.WAITING) if deadline else []  # none would have ended in time
+    waiting = queue.waiting_rows([study]) if deadline else []  # none would have ended in time
     held = len(waiting)
     print(f"trained {queued - len(failed) - held} runs in {time.perf_counter() - start:.0f}s")
     gave_up = _gave_up(failed, lab.sweep.retries + 1) if failed else ""
@@ -354,9 +354,7 @@ def _run(
         record_usage(stopped="time limit")
         for row in measured:
             print("\n".join(usage.lines(row)))
-        print(
-            deadline.held([t.user_attrs["run"]["row"] for t in waiting], [r for r, _ in queue.finished(study).values()])
-        )
+        print(deadline.held(waiting, queue.finished_rows([study])))
         if gave_up:
             print(gave_up, file=sys.stderr)
         return 1 if gave_up else TIME_LIMIT

@@ -160,7 +160,7 @@ class Drain:
     def _next(self) -> tuple[optuna.Study, optuna.Trial] | None:
         order = None
         if self.deadline is not None:  # predicted from every finished run of the studies, this drain's included
-            order = self.deadline.order(row for s in self.studies for row, _ in queue.finished(s).values())
+            order = self.deadline.order(queue.finished_rows(self.studies))
         for study in self.studies:
             optuna.storages.fail_stale_trials(study)  # RDB: runs of dead hosts, queued again by the retry callback
             if (trial := queue.pop(study, order)) is not None:
@@ -172,7 +172,7 @@ class Drain:
 
     def _left(self, running: dict) -> tuple[float, int]:
         """Training FLOPs and number of the runs left: running here, or queued for any host."""
-        rows = [t.user_attrs["run"]["row"] for s in self.studies for t in queue.trials(s, TrialState.WAITING)]
+        rows = queue.waiting_rows(self.studies)
         rows += [trial.user_attrs["run"]["row"] for _, trial, _ in running.values()]
         return sum(r["train_flops"] for r in rows), len(rows)
 
@@ -327,13 +327,10 @@ def serve(where: str, sweep: str | None, workers: int, overrides: list[str], tim
             progress=bar,
             deadline=deadline,
         ).run()
-    waiting = (
-        [t.user_attrs["run"]["row"] for s in studies for t in queue.trials(s, TrialState.WAITING)] if deadline else []
-    )
+    waiting = queue.waiting_rows(studies) if deadline else []
     held = len(waiting)
     if held:
-        finished = [row for s in studies for row, _ in queue.finished(s).values()]
-        print(f"{deadline.held(waiting, finished)}; done in {time.perf_counter() - start:.0f}s")
+        print(f"{deadline.held(waiting, queue.finished_rows(studies))}; done in {time.perf_counter() - start:.0f}s")
     else:
         print(f"no runs left: done in {time.perf_counter() - start:.0f}s")
     if failed:

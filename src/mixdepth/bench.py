@@ -252,8 +252,12 @@ def bench_compile(args) -> None:
     reset: dynamo's compiled code is reused)."""
     import os
 
-    from torch._dynamo.utils import compilation_time_metrics, compile_times
+    from torch._dynamo.utils import compilation_time_metrics, compile_times, counters
 
+    from mixdepth.models import dense
+
+    if args.cache_rules == "torch":  # torch's own rules: the baseline of compile_cache.cache_compiled_graphs
+        dense.cache_compiled_graphs = lambda: None
     T, d, L = args.seq_len, args.d_model, args.n_layers
     with tempfile.TemporaryDirectory() as tmp:
         data = synthetic_data(Path(tmp), 256, args.tokens, T, val_tokens=T * 256)
@@ -263,11 +267,12 @@ def bench_compile(args) -> None:
         )  # fmt: skip
         print(
             f"d{d} L{L} T{T} byte vocabulary, batch {args.batch_size}x{T}, {args.steps} steps, compile mode"
-            f" {args.compile_mode}, scope {args.compile_scope}; compile = dynamo's _compile.compile_inner (the forward"
-            " frames; the backward compiles at the first backward, inside the fit wall-clock)"
+            f" {args.compile_mode}, scope {args.compile_scope}, cache rules {args.cache_rules}; compile = dynamo's"
+            " _compile.compile_inner (the forward frames; the backward compiles at the first backward, inside the fit"
+            " wall-clock); AOTAutograd's cache: hits/misses/bypasses of the fit"
         )
-        print("| arch | caches | fit wall s | steady s | compile s | MFU |")
-        print("|---|---|---|---|---|---|")
+        print("| arch | caches | fit wall s | steady s | compile s | MFU | AOTAutograd cache |")
+        print("|---|---|---|---|---|---|---|")
         for arch in args.archs.split(","):
             for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
                 os.environ[var] = str(Path(tmp) / arch / var)
@@ -275,6 +280,7 @@ def bench_compile(args) -> None:
                 if reset:
                     torch._dynamo.reset()
                 compilation_time_metrics.clear()
+                aot = dict(counters["aot_autograd"])
                 model = MODELS[arch][0](
                     arch=arch, d_model=d, n_layers=L, n_heads=d // 64, n_kv_heads=d // 64, seq_len=T, vocab_size=256,
                     **step_options(arch, args.set),
@@ -284,7 +290,11 @@ def bench_compile(args) -> None:
                 took = float(dict(zip(names, values, strict=True)).get("_compile.compile_inner", 0.0))
                 steady = args.steps * args.batch_size * T / res.tokens_per_s
                 mfu = f"{res.mfu:.1%}" if res.mfu else "n/a"
-                print(f"| {arch} | {caches} | {res.wall_s:.1f} | {steady:.1f} | {took:.1f} | {mfu} |")
+                cached = "/".join(
+                    str(counters["aot_autograd"][f"autograd_cache_{k}"] - aot.get(f"autograd_cache_{k}", 0))
+                    for k in ("hit", "miss", "bypass")
+                )
+                print(f"| {arch} | {caches} | {res.wall_s:.1f} | {steady:.1f} | {took:.1f} | {mfu} | {cached} |")
 
 
 def step_options(arch: str, sets: list[str]) -> dict[str, Any]:
@@ -432,6 +442,10 @@ def main() -> None:
     cp.add_argument("--tokens", type=int, default=40_000_000, help="synthetic .bin corpus size")
     cp.add_argument("--accelerator", default="gpu", choices=("gpu", "cpu"), help="cpu: a smoke run of the command")
     cp.add_argument("--set", nargs="*", default=[], help="arch.key=value model options, e.g. mod.capacity=0.125")
+    cp.add_argument(
+        "--cache-rules", default="ours", choices=("ours", "torch"),
+        help="what the on-disk caches may serve: ours (compile_cache.cache_compiled_graphs) or torch's defaults",
+    )  # fmt: skip
     sp = sub.add_parser("step", help="training-step time and peak memory of archs at one shape (GPU)")
     sp.add_argument("--archs", default="dense,mod")
     sp.add_argument("--d-model", type=int, default=1024)

@@ -263,11 +263,12 @@ def bench_compile(args) -> None:
         data = synthetic_data(Path(tmp), 256, args.tokens, T, val_tokens=T * 256)
         train = TrainConfig(
             batch_size=args.batch_size, lr=1.5e-3, accelerator=args.accelerator, compile=True,
-            compile_mode=args.compile_mode, compile_scope=args.compile_scope, log_every=25, progress=False,
+            compile_mode=args.compile_mode, compile_scope=args.compile_scope, graph_step=args.graph_step,
+            log_every=25, progress=False,
         )  # fmt: skip
         print(
             f"d{d} L{L} T{T} byte vocabulary, batch {args.batch_size}x{T}, {args.steps} steps, compile mode"
-            f" {args.compile_mode}, scope {args.compile_scope}, cache rules {args.cache_rules}; compile = dynamo's"
+            f" {args.compile_mode}, scope {args.compile_scope}, graph_step {args.graph_step}, cache rules {args.cache_rules}; compile = dynamo's"
             " _compile.compile_inner (the forward frames; the backward compiles at the first backward, inside the fit"
             " wall-clock); AOTAutograd's cache: hits/misses/bypasses of the fit"
         )
@@ -439,6 +440,7 @@ def main() -> None:
     cp.add_argument("--steps", type=int, default=300)
     cp.add_argument("--compile-mode", default="reduce-overhead", choices=COMPILE_MODES)
     cp.add_argument("--compile-scope", default="model", choices=COMPILE_SCOPES, help=SCOPE_HELP)
+    cp.add_argument("--graph-step", action="store_true", help="train.graph_step (with --compile-mode default)")
     cp.add_argument("--tokens", type=int, default=40_000_000, help="synthetic .bin corpus size")
     cp.add_argument("--accelerator", default="gpu", choices=("gpu", "cpu"), help="cpu: a smoke run of the command")
     cp.add_argument("--set", nargs="*", default=[], help="arch.key=value model options, e.g. mod.capacity=0.125")

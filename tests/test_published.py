@@ -136,3 +136,23 @@ def test_a_store_older_than_a_table_publishes_without_it(store, tmp_path, capsys
     assert capsys.readouterr().out == f"published sweep s1 to {out}: 1 sweeps, 30 runs, 60 curves, 1 sweep_usage\n"
     assert not (out / "alone_rates.parquet").exists()
     assert main(["report", "--db", str(out), "--sweep", "s1", "--out", str(tmp_path / "r")]) == 0
+
+
+def test_the_published_reference_study_reads_back_with_every_optimum_bracketed():
+    """README's reference study: its folder holds the 110 runs of 7 variants x 3 budgets, and by the rule the sweep
+    brackets with, every (arch, budget)'s vertex is a minimum inside its sampled sizes."""
+    from pathlib import Path
+
+    from analysis.published import load
+    from sweeps.bracket import INSIDE, side, stored
+
+    folder = Path(__file__).resolve().parents[1] / "docs" / "results" / "reference_h200"
+    con = duckdb.connect(str(load(folder)), read_only=True)
+    ((sid,),) = con.execute("SELECT sweep_id FROM sweeps").fetchall()
+    assert con.execute("SELECT count(*) FROM runs WHERE sweep_id = ? AND status = 'ok'", [sid]).fetchone() == (110,)
+    by_key = stored(con, sid)
+    assert {arch for arch, _ in by_key} == {"dense", "mod", "mod_random", "moda", "moda_attn", "mode",
+                                            "mode_integrated"}  # fmt: skip
+    assert {budget for _, budget in by_key} == {2e14, 6e14, 2e15}
+    outside = {key: side(runs, key[1]) for key, runs in by_key.items() if side(runs, key[1])[0] != INSIDE}
+    assert not outside

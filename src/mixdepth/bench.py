@@ -268,9 +268,9 @@ def bench_compile(args) -> None:
         )  # fmt: skip
         print(
             f"d{d} L{L} T{T} byte vocabulary, batch {args.batch_size}x{T}, {args.steps} steps, compile mode"
-            f" {args.compile_mode}, scope {args.compile_scope}, graph_step {args.graph_step}, cache rules {args.cache_rules}; compile = dynamo's"
-            " _compile.compile_inner (the forward frames; the backward compiles at the first backward, inside the fit"
-            " wall-clock); AOTAutograd's cache: hits/misses/bypasses of the fit"
+            f" {args.compile_mode}, scope {args.compile_scope}, graph_step {args.graph_step}, cache rules"
+            f" {args.cache_rules}; compile = dynamo's _compile.compile_inner (the forward frames; the backward compiles"
+            " at the first backward, inside the fit wall-clock); AOTAutograd's cache: hits/misses/bypasses of the fit"
         )
         print("| arch | caches | fit wall s | steady s | compile s | MFU | AOTAutograd cache |")
         print("|---|---|---|---|---|---|---|")

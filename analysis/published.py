@@ -45,11 +45,28 @@ def publish(con: duckdb.DuckDBPyConnection, sweep_id: str, out: Path) -> dict[st
         path = str(out / f"{table}.parquet")
         con.sql(sql, params=[sweep_id]).write_parquet(path)
         counts[table] = con.execute("SELECT count(*) FROM read_parquet(?)", [path]).fetchall()[0][0]  # its metadata
-    (out / "README.md").write_text(_readme(con, sweep_id, counts))
+    (out / "README.md").write_text(_readme(con, sweep_id, counts, out))
     return counts
 
 
-def _readme(con: duckdb.DuckDBPyConnection, sweep_id: str, counts: dict[str, int]) -> str:
+def _commands(con: duckdb.DuckDBPyConnection, out: Path) -> list[str]:
+    """A table of the sweep's commands that trained (its ``sweep_usage`` rows as written to ``out``) where there
+    are several: a sweep resumed by later commands may have run other code in each."""
+    cur = con.execute("SELECT * FROM read_parquet(?) ORDER BY started_at", [str(out / "sweep_usage.parquet")])
+    names = [d[0] for d in cur.description]
+    rows = [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
+    if len(rows) < 2:
+        return []
+    lines = ["Its commands that trained (the line above names the latest's):", "",
+             "| started (UTC) | runs | wall s | commit | command |", "|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        commit, command = r.get("commit") or "not recorded", r.get("command")
+        lines.append(f"| {r['started_at']:%Y-%m-%d %H:%M} | {r['runs']} | {r['wall_s']:.0f} | {commit} |"
+                     f" {f'`{command}`' if command else 'not recorded'} |")  # fmt: skip
+    return [*lines, ""]
+
+
+def _readme(con: duckdb.DuckDBPyConnection, sweep_id: str, counts: dict[str, int], out: Path) -> str:
     name, preset, version, commit, command, created = con.execute(
         "SELECT name, preset, version, commit, command, created_at FROM sweeps WHERE sweep_id = ?", [sweep_id]
     ).fetchall()[0]
@@ -74,8 +91,8 @@ def _readme(con: duckdb.DuckDBPyConnection, sweep_id: str, counts: dict[str, int
     for device, precision, versions, n, corpus, fingerprint in machines:
         v = ", ".join(f"{k} {x}" for k, x in json.loads(versions or "{}").items())
         lines.append(f"| {device} | {precision} | {v} | {n} | {corpus} | {fingerprint} |")
+    lines += ["", *(_commands(con, out) if "sweep_usage" in counts else [])]
     lines += [
-        "",
         "Files: " + ", ".join(f"`{t}.parquet` ({n} rows)" for t, n in counts.items()) + ".",
         "",
         "Fit, forecast, plot or report them without the GPU (the folder stands for the database):",

@@ -98,12 +98,13 @@ def _provenance_lines(summary: Mapping[str, Any]) -> list[str]:
 
     command = summary.get("command")
     no_commit = "none (not run from a git checkout)" if summary.get("version") else "not recorded"
+    latest = " (its latest command's; each command's under Device use)" if len(summary.get("usage") or []) > 1 else ""
     lines = [
         "## Provenance",
         "",
-        f"- mixdepth version: {known('version')}",
-        f"- git commit: {known('commit', no_commit)}",
-        f"- command line: {'not recorded' if not command else '`' + redact(str(command)) + '`'}",
+        f"- mixdepth version: {known('version')}{latest}",
+        f"- git commit: {known('commit', no_commit)}{latest}",
+        f"- command line: {'not recorded' if not command else '`' + redact(str(command)) + '`'}{latest}",
     ]
     for sw in summary.get("software") or []:
         lines.append("- software of the runs: " + ", ".join(f"{k} {v}" for k, v in sorted(sw.items())))
@@ -136,6 +137,9 @@ def _usage_lines(summary: Mapping[str, Any]) -> list[str]:
         head, parts = usage.lines(row)
         lines += [f"- command started {row['started_at']:%Y-%m-%d %H:%M:%S} UTC, {row['runs']} runs: {head}",
                   f"  {parts.strip()}"]  # fmt: skip
+        if len(rows) > 1:  # a sweep resumed by later commands may have run other code in each
+            ran = f"`{redact(str(row['command']))}`" if row.get("command") else "command line not recorded"
+            lines.append(f"  commit {row.get('commit') or 'not recorded'}: {ran}")
     if len(rows) > 1 and all(r["utilisation"] is not None for r in rows):
         total = sum(r["train_flops"] for r in rows) / sum(r["wall_s"] * r["gpus"] * r["peak_flops"] for r in rows)
         lines.append(f"- over its {len(rows)} commands: sweep utilisation {total:.1%}")

@@ -228,8 +228,9 @@ def _usage(con: duckdb.DuckDBPyConnection, sweep_id: str | None) -> list[dict[st
     """The sweep's ``sweep_usage`` rows (one per command that trained), oldest first; [] for older stores."""
     if "sweep_id" not in _columns_of(con, "sweep_usage"):
         return []
-    rows = con.execute(
-        f"SELECT {', '.join(USAGE_COLUMNS)} FROM sweep_usage WHERE sweep_id IS NOT DISTINCT FROM ? ORDER BY started_at",
+    rows = con.execute(  # a store older than a column reads it as NULL
+        f"SELECT {_optional(con, 'sweep_usage', USAGE_COLUMNS)} FROM sweep_usage"
+        " WHERE sweep_id IS NOT DISTINCT FROM ? ORDER BY started_at",
         [sweep_id],
     ).fetchall()
     out = [dict(zip(USAGE_COLUMNS, r, strict=True)) for r in rows]

@@ -275,7 +275,8 @@ def _run(
     )
     queue.enqueue(study, todo, skip_finished=shared)  # with the journal the database is the record: what it lacks runs
 
-    used = usage.Usage(sid, lab.sweep.workers, n_gpus(lab.train, gpus), sharing=sharing)
+    used = usage.Usage(sid, lab.sweep.workers, n_gpus(lab.train, gpus), sharing=sharing,
+                       commit=meta["provenance"]["commit"], command=meta["provenance"]["command"])  # fmt: skip
     deadline = Deadline(used.started, time_limit) if time_limit else None
     measured: list[dict] = []
 

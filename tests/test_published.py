@@ -156,3 +156,32 @@ def test_the_published_reference_study_reads_back_with_every_optimum_bracketed()
     assert {budget for _, budget in by_key} == {2e14, 6e14, 2e15}
     outside = {key: side(runs, key[1]) for key, runs in by_key.items() if side(runs, key[1])[0] != INSIDE}
     assert not outside
+
+
+def test_each_command_of_a_resumed_sweep_keeps_its_own_commit(store, tmp_path, capsys):
+    """A sweep resumed by a later command on other code: the sweeps row names the latest command, the report and
+    the published README name every command's commit and command line; a store older than those columns gets them
+    (NULL before) and reads as "not recorded"."""
+    con = connect(store)
+    con.execute("ALTER TABLE sweep_usage DROP COLUMN commit")  # the store of an older mixdepth
+    con.execute("ALTER TABLE sweep_usage DROP COLUMN command")
+    con.close()
+    con = connect(store)  # a writer adds them
+    put_usage(con, {
+        "sweep_id": "s1", "started_at": dt.datetime(2026, 12, 3, 9, 0), "wall_s": 100.0, "gpus": 1,
+        "peak_flops": 9.895e14, "train_flops": 1e16, "runs": 4, "utilisation": 0.101,
+        "parts": {**dict.fromkeys(PARTS, 100.0 / len(PARTS)), "sharing": "mps"},
+        "commit": "def5678-dirty", "command": "python -m sweeps isoflop --preset x --db r.db",
+    })  # fmt: skip
+    con.close()
+    out = tmp_path / "published"
+    assert main(["publish", "--db", str(store), "--sweep", "s1", "--out", str(out)]) == 0
+    readme = (out / "README.md").read_text()
+    assert "| 2026-12-02 17:39 | 30 | 300 | not recorded | not recorded |" in readme
+    assert "| 2026-12-03 09:00 | 4 | 100 | def5678-dirty | `python -m sweeps isoflop --preset x --db r.db` |" in readme
+    for db in (store, out):
+        assert main(["report", "--db", str(db), "--sweep", "s1", "--out", str(tmp_path / "r")]) == 0
+        text = (tmp_path / "r" / "report.md").read_text()
+        assert "- git commit: abc1234 (its latest command's; each command's under Device use)" in text
+        assert "  commit not recorded: command line not recorded" in text
+        assert "  commit def5678-dirty: `python -m sweeps isoflop --preset x --db r.db`" in text

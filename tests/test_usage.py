@@ -89,8 +89,11 @@ def test_a_sweep_stores_prints_and_reports_its_usage(cli, tmp_path, status_row):
     assert out.returncode == 0, out.stderr
     assert "sweep wall-clock" in out.stdout and "where the time went: start-up" in out.stdout
     con = duckdb.connect(str(tmp_path / "u.db"), read_only=True)
-    (sid,) = con.execute("SELECT sweep_id FROM sweeps").fetchone()
-    wall, runs, util, parts = con.execute("SELECT wall_s, runs, utilisation, parts FROM sweep_usage").fetchone()
+    sid, *provenance = con.execute("SELECT sweep_id, commit, command FROM sweeps").fetchone()
+    wall, runs, util, parts, *ran = con.execute(
+        "SELECT wall_s, runs, utilisation, parts, commit, command FROM sweep_usage"
+    ).fetchone()
+    assert ran == provenance and ran[1].startswith("python -m sweeps isoflop --db u.db")  # the command's own
     setup, evaluation = con.execute("SELECT setup_s, eval_s FROM runs").fetchone()
     con.close()
     parts = json.loads(parts)

@@ -132,6 +132,10 @@ SWEEP_PROVENANCE: dict[str, str] = {
     "commit": "VARCHAR",  # the git commit of that code's source tree; NULL outside a git checkout
     "command": "VARCHAR",  # the command line that last ran it (storage passwords hidden)
 }
+USAGE_PROVENANCE: dict[str, str] = {  # each command's own: a sweep resumed by later commands may run other code
+    "commit": "VARCHAR",
+    "command": "VARCHAR",
+}
 
 DDL = f"""
 CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR);
@@ -149,7 +153,7 @@ CREATE TABLE IF NOT EXISTS fits (
 );
 CREATE TABLE IF NOT EXISTS sweep_usage (
     sweep_id VARCHAR, started_at TIMESTAMP, wall_s DOUBLE, gpus INTEGER, peak_flops DOUBLE, train_flops DOUBLE,
-    runs INTEGER, utilisation DOUBLE, parts JSON
+    runs INTEGER, utilisation DOUBLE, parts JSON, {", ".join(f"{k} {v}" for k, v in USAGE_PROVENANCE.items())}
 );
 CREATE TABLE IF NOT EXISTS alone_rates (
     sweep_id VARCHAR, shape VARCHAR, arch VARCHAR, d_model INTEGER, n_layers INTEGER, steps INTEGER,
@@ -415,14 +419,16 @@ def _check_store(con: duckdb.DuckDBPyConnection, p: Path) -> None:
 
 def _add_missing_columns(con: duckdb.DuckDBPyConnection) -> None:
     """Give an existing ``runs`` table the record's columns it lacks (a metric added to ``RunMetrics`` after the
-    database was made), and ``sweeps`` its provenance columns, at the end of the table, NULL for the rows stored
-    before; writes name their columns."""
+    database was made), and ``sweeps`` and ``sweep_usage`` their provenance columns, at the end of the table, NULL
+    for the rows stored before; writes name their columns."""
     have = {r[0] for r in con.execute("SELECT name FROM pragma_table_info('runs')").fetchall()}
     for name, sql_type in RUN_COLUMNS.items():
         if name not in have:
             con.execute(f"ALTER TABLE runs ADD COLUMN {name} {sql_type}")
     for name, sql_type in SWEEP_PROVENANCE.items():
         con.execute(f"ALTER TABLE sweeps ADD COLUMN IF NOT EXISTS {name} {sql_type}")
+    for name, sql_type in USAGE_PROVENANCE.items():
+        con.execute(f"ALTER TABLE sweep_usage ADD COLUMN IF NOT EXISTS {name} {sql_type}")
 
 
 def _json(v: Any) -> Any:
@@ -512,7 +518,8 @@ def add_runs(
 
 
 USAGE_COLUMNS = (
-    "sweep_id", "started_at", "wall_s", "gpus", "peak_flops", "train_flops", "runs", "utilisation", "parts"
+    "sweep_id", "started_at", "wall_s", "gpus", "peak_flops", "train_flops", "runs", "utilisation", "parts",
+    *USAGE_PROVENANCE,
 )  # fmt: skip
 
 

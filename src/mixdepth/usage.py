@@ -46,6 +46,7 @@ class Usage:
         gpus: distinct GPUs the slots train on (0 on CPU: no utilisation, the parts still say where time went).
         sharing: how slots that share a GPU ran: "mps" (at once), "time-sliced", or "unshared" (none share one).
         started: when the command started (``process_start``).
+        commit, command: the command's provenance (``sweeps.provenance``), stored with its row.
     """
 
     sweep_id: str
@@ -53,6 +54,8 @@ class Usage:
     gpus: int
     sharing: str = "unshared"
     started: float = field(default_factory=process_start)
+    commit: str | None = None
+    command: str | None = None
     training: float | None = None  # when the first run was handed out
     trained: float | None = None  # when the last run ended
     flops: float = 0.0
@@ -108,6 +111,8 @@ class Usage:
                 "interrupted": stopped is not None,  # before its report, by ``stopped``
                 "stopped": stopped,
             },
+            "commit": self.commit,
+            "command": self.command,
         }
 
 

@@ -102,7 +102,7 @@ def _provenance_lines(summary: Mapping[str, Any]) -> list[str]:
     lines = [
         "## Provenance",
         "",
-        f"- mixdepth version: {known('version')}{latest}",
+        f"- mixdepth version: {known('version')}",
         f"- git commit: {known('commit', no_commit)}{latest}",
         f"- command line: {'not recorded' if not command else '`' + redact(str(command)) + '`'}{latest}",
     ]

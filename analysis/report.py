@@ -126,9 +126,10 @@ def _provenance_lines(summary: Mapping[str, Any]) -> list[str]:
     return lines + [""]
 
 
-def _usage_lines(summary: Mapping[str, Any]) -> list[str]:
+def _usage_lines(summary: Mapping[str, Any], times: pd.DataFrame | None = None) -> list[str]:
     """Each sweep command's utilisation of its GPUs (FLOPs trained over wall-clock x GPUs x peak, from the command's
-    start to its report) and where its time went; with several commands, the sweep's over all of them."""
+    start to its report) and where its time went; with several commands, the sweep's over all of them; with every
+    run's shape timed alone (``times``' alone_s), what its runs' own steps one after another would have taken."""
     rows = summary.get("usage") or []
     if not rows:
         return []
@@ -143,7 +144,23 @@ def _usage_lines(summary: Mapping[str, Any]) -> list[str]:
     if len(rows) > 1 and all(r["utilisation"] is not None for r in rows):
         total = sum(r["train_flops"] for r in rows) / sum(r["wall_s"] * r["gpus"] * r["peak_flops"] for r in rows)
         lines.append(f"- over its {len(rows)} commands: sweep utilisation {total:.1%}")
-    return lines + [""]
+    return lines + _serial_lines(rows, times) + [""]
+
+
+def _serial_lines(rows: Sequence[Mapping[str, Any]], times: pd.DataFrame | None) -> list[str]:
+    """The sweep's device time against its runs' steps one after another, each at its shape's steady rate alone
+    (``python -m sweeps alone``): where they match, the sweep hid its start-up, compilation and evaluation behind
+    other runs' steps and sharing a GPU sped no run up, so only faster steps raise its utilisation."""
+    if times is None or times.empty or times["alone_s"].isna().any() or any(r["utilisation"] is None for r in rows):
+        return []
+    alone, device_s = times["alone_s"].sum(), sum(r["wall_s"] * r["gpus"] for r in rows)
+    peak = rows[0]["peak_flops"]
+    return [
+        f"- its {len(times)} runs' steps one after another, each shape at its steady rate alone on one device"
+        f" (`python -m sweeps alone`): {alone:.0f} s, {alone / device_s:.0%} of its commands' {device_s:.0f}"
+        f" device-seconds; at those rates its training FLOPs use {times['train_flops'].sum() / (alone * peak):.1%}"
+        " of the peak (its runs' own speed: the utilisation of a sweep that lost no time between or around them)"
+    ]
 
 
 def _runs_table(points: pd.DataFrame) -> list[str]:
@@ -373,7 +390,7 @@ def build_report(
     lines = [f"# Scaling-law report: sweep {summary.get('sweep_id')}", ""]
     lines += _header_lines(fits, summary)
     lines += _provenance_lines(summary)
-    lines += _usage_lines(summary)
+    lines += _usage_lines(summary, times)
     lines += ["## Runs per budget", ""]
     lines += _runs_table(points) if not points.empty else ["No finished runs.", ""]
 

@@ -82,6 +82,25 @@ def test_sweep_utilisation_pools_the_commands_of_a_sweep(tmp_path):
     con.close()
 
 
+def test_the_report_sets_the_sweep_against_its_runs_alone_one_after_another():
+    import pandas as pd
+
+    from analysis.report import _usage_lines
+
+    rows = [{"started_at": dt.datetime(2026, 12, 6), "runs": 2, "wall_s": w, "gpus": 1, "peak_flops": 1e15,
+             "train_flops": f, "utilisation": f / (w * 1e15), "parts": {k: w / 7 for k in usage.PARTS},
+             "commit": "abc", "command": "python -m sweeps isoflop"} for w, f in ((100.0, 6e15), (60.0, 2e15))]  # fmt: skip
+    times = pd.DataFrame({"train_flops": [4e15, 4e15], "alone_s": [50.0, 30.0]})
+    text = "\n".join(_usage_lines({"usage": rows}, times))
+    # 80 s of the runs' own steps in 160 device-seconds; 8e15 FLOPs over 80 s at a 1e15 peak: 10%
+    assert "its 2 runs' steps one after another" in text and "80 s, 50% of its commands' 160 device-seconds" in text
+    assert "its training FLOPs use 10.0% of the peak" in text and "over its 2 commands: sweep utilisation 5.0%" in text
+    # a shape not timed alone, or a command without a GPU peak: no such line
+    assert "one after another" not in "\n".join(_usage_lines({"usage": rows}, times.assign(alone_s=[50.0, None])))
+    cpu = [{**r, "utilisation": None, "peak_flops": None} for r in rows]
+    assert "one after another" not in "\n".join(_usage_lines({"usage": cpu}, times))
+
+
 def test_a_sweep_stores_prints_and_reports_its_usage(cli, tmp_path, status_row):
     one = ["sweep.budgets=[5e10]", "sweep.archs=[dense]", "sweep.max_extra=0", "sweep.workers=1",
            "sweep.ladder=[{d_model: 16, n_layers: 1, n_heads: 2}]", "train.progress=false"]  # fmt: skip

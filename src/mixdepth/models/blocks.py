@@ -41,12 +41,15 @@ class Rotary(nn.Module):
         self.register_buffer("sin", angles.sin(), persistent=False)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor | None) -> torch.Tensor:
-        """x: [B, H, T, hd]; pos: None (0..T-1) or [B, T] original positions."""
-        T = x.shape[2]
+        """x: [B, T, H, hd], the projections' layout; pos: None (0..T-1) or [B, T] original positions.
+
+        Rotating before the heads move to dim 1 keeps q, k, their gradients and the attention's output (which
+        SDPA lays out as q) in the projections' layout: no transposing copy on either side of the attention."""
+        T = x.shape[1]
         if pos is None:
-            cos, sin = self.cos[:T], self.sin[:T]  # [T, hd/2]
+            cos, sin = self.cos[:T, None], self.sin[:T, None]  # [T, 1, hd/2]
         else:
-            cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)  # [B, 1, T, hd/2]
+            cos, sin = self.cos[pos].unsqueeze(2), self.sin[pos].unsqueeze(2)  # [B, T, 1, hd/2]
         x1, x2 = x.float().chunk(2, dim=-1)
         out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         return out.to(x.dtype)
@@ -119,14 +122,15 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim) if c.qk_norm else None
 
     def qkv(self, x: torch.Tensor, rope: Rotary, pos: torch.Tensor | None):
-        """x: [B, T, D] -> q [B, Hq, T, hd], k and v [B, Hk, T, hd], RoPE applied at ``pos``."""
+        """x: [B, T, D] -> q [B, Hq, T, hd], k and v [B, Hk, T, hd] (views of [B, T, H, hd] tensors), RoPE
+        applied at ``pos``."""
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        return rope(q, pos), rope(k, pos), v
+        return rope(q, pos).transpose(1, 2), rope(k, pos).transpose(1, 2), v.transpose(1, 2)
 
     def forward(self, x: torch.Tensor, rope: Rotary, pos: torch.Tensor | None = None) -> torch.Tensor:
         """x: [B, T, D] with tokens in increasing position order -> [B, T, D]."""

@@ -352,11 +352,11 @@ class DepthKV(nn.Module):
     def forward(self, x: torch.Tensor, rope: Rotary, pos: torch.Tensor | None):
         """x: [B, T, D] -> k, v [B, Hk, T, hd]."""
         B, T, _ = x.shape
-        k, v = self.wkv(x).view(B, T, 2, self.n_kv_heads, self.head_dim).transpose(1, 3).unbind(2)
+        k, v = self.wkv(x).view(B, T, 2, self.n_kv_heads, self.head_dim).unbind(2)  # [B, T, Hk, hd] each
         if self.k_norm is not None:
             k = self.k_norm(k)
         # the norm's fp32 weight can promote k under autocast; contiguous [B, Hk, T, hd] = the slot layout
-        return rope(k, pos).to(v.dtype).contiguous(), v.contiguous()
+        return rope(k, pos).to(v.dtype).transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
 
 
 class MoDABlock(nn.Module):

@@ -87,9 +87,12 @@ def test_the_report_sets_the_sweep_against_its_runs_alone_one_after_another():
 
     from analysis.report import _usage_lines
 
-    rows = [{"started_at": dt.datetime(2026, 12, 6), "runs": 2, "wall_s": w, "gpus": 1, "peak_flops": 1e15,
-             "train_flops": f, "utilisation": f / (w * 1e15), "parts": {k: w / 7 for k in usage.PARTS},
-             "commit": "abc", "command": "python -m sweeps isoflop"} for w, f in ((100.0, 6e15), (60.0, 2e15))]  # fmt: skip
+    rows = [
+        {"started_at": dt.datetime(2026, 12, 6), "runs": 2, "wall_s": w, "gpus": 1, "peak_flops": 1e15,
+         "train_flops": f, "utilisation": f / (w * 1e15), "parts": {k: w / 7 for k in usage.PARTS},
+         "commit": "abc", "command": "python -m sweeps isoflop"}
+        for w, f in ((100.0, 6e15), (60.0, 2e15))
+    ]  # fmt: skip
     times = pd.DataFrame({"train_flops": [4e15, 4e15], "alone_s": [50.0, 30.0]})
     text = "\n".join(_usage_lines({"usage": rows}, times))
     # 80 s of the runs' own steps in 160 device-seconds; 8e15 FLOPs over 80 s at a 1e15 peak: 10%

@@ -99,6 +99,7 @@ def test_naive_is_the_models_old_loss():
         (64, 16, 128, 16, 32),  # every size a multiple
         (1, 8, 5, 1, 8),  # one row, V below one block
         (50, 12, 500, 64, 128),  # one chunk larger than N
+        (37, 24, 257, 8, 512),  # one block spans the row: read once (ONE_PASS)
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

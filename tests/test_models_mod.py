@@ -183,7 +183,7 @@ def test_predictor_does_not_touch_the_lm():
     from mixdepth.models.routing import bce
 
     bce(infos[0].pred, infos[0].target).backward()
-    assert m.embed.weight.grad is None and m.blocks[0].mlp.w1.weight.grad is None
+    assert m.embed.weight.grad is None and m.blocks[0].mlp.w13.weight.grad is None
     assert m.blocks[1].predictor.fc1.weight.grad.abs().sum() > 0
 
 

@@ -2,12 +2,15 @@
 
 ``_ce_rows_kernel`` (``BLOCK_R`` rows of a chunk of logits ``z [R, V]``, the matmul's output, per program):
 
-1. one pass over V in blocks of ``BLOCK_V``: an online max and sum of exponentials per lane, in fp32, combined
-   at the end into each row's ``lse = m + log(sum exp(z - m))``; the row's loss is ``lse - z[t]`` (0 when t
-   is ``ignore_index``);
+1. one pass over V in blocks of ``BLOCK_V``: each block's row max, then the row's running max ``m`` and sum
+   ``s`` of ``exp(z - m)`` in fp32 (one exponential per logit), giving ``lse = m + log(s)``; the row's loss is
+   ``lse - z[t]`` (0 when t is ``ignore_index``);
 2. with ``WRITE_GRAD``, a second pass overwriting ``z`` with ``(softmax(z) - onehot(t)) * scale`` in z's dtype
    (0 for an ignored row), where ``scale`` (read from a device scalar, so nothing waits on the host) is the
    loss's scale, ``1 / n_valid`` for the mean.
+
+When one block spans the row (``BLOCK_V >= V``) the row is read once: loaded, reduced and its gradient written
+from registers (``ONE_PASS``), one read and one write of the logits instead of two reads and one write.
 
 The logits are read as stored (the matmul's rounding, as the unfused ``logits.float()`` reads them) and
 every gradient value is rounded once. A target outside ``[0, V)`` reads column 0 (memory safe; the range check
@@ -61,6 +64,7 @@ def _ce_rows_kernel(
     stride_z,
     ignore_index,
     WRITE_GRAD: tl.constexpr,
+    ONE_PASS: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
@@ -71,19 +75,25 @@ def _ce_rows_kernel(
     valid = t != ignore_index
     t_col = tl.where((t >= 0) & (t < V), t, 0)
     cols = tl.arange(0, BLOCK_V)
-    m = tl.full([BLOCK_R, BLOCK_V], float("-inf"), tl.float32)  # per lane: running max and sum of exp(z - m)
-    s = tl.zeros([BLOCK_R, BLOCK_V], dtype=tl.float32)
-    for v0 in range(0, V, BLOCK_V):
-        c = v0 + cols
-        mask = rmask[:, None] & (c < V)[None, :]
-        z = tl.load(z_rows + c[None, :], mask=mask, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, z)
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a lane with no finite value yet: exp(-inf) = 0
-        s = s * tl.exp(m - m_ref) + tl.exp(z - m_ref)
-        m = m_new
-    m_row = tl.max(m, axis=1)
-    m_row = tl.where(m_row == float("-inf"), 0.0, m_row)  # padding rows (and rows of -inf logits)
-    s_row = tl.where(rmask, tl.sum(s * tl.exp(m - m_row[:, None]), axis=1), 1.0)  # padding rows: no log(0)
+    if ONE_PASS:  # the whole row in one block: read once
+        mask = rmask[:, None] & (cols < V)[None, :]
+        z = tl.load(z_rows + cols[None, :], mask=mask, other=float("-inf")).to(tl.float32)
+        m_row = tl.max(z, axis=1)
+        m_row = tl.where(m_row == float("-inf"), 0.0, m_row)  # padding rows (and rows of -inf logits)
+        s_row = tl.where(rmask, tl.sum(tl.exp(z - m_row[:, None]), axis=1), 1.0)  # padding rows: no log(0)
+    else:
+        m_row = tl.full([BLOCK_R], float("-inf"), tl.float32)  # running max and sum of exp(z - m_row)
+        s_row = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for v0 in range(0, V, BLOCK_V):
+            c = v0 + cols
+            mask = rmask[:, None] & (c < V)[None, :]
+            zb = tl.load(z_rows + c[None, :], mask=mask, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m_row, tl.max(zb, axis=1))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no finite value yet: exp(-inf) = 0
+            s_row = s_row * tl.exp(m_row - m_ref) + tl.sum(tl.exp(zb - m_ref[:, None]), axis=1)
+            m_row = m_new
+        m_row = tl.where(m_row == float("-inf"), 0.0, m_row)
+        s_row = tl.where(rmask, s_row, 1.0)
     lse = m_row + tl.log(s_row)  # [BLOCK_R]
     z_t = tl.load(z_ptr + rows * stride_z + t_col, mask=rmask, other=0.0).to(tl.float32)
     tl.store(loss_ptr + rows, tl.where(valid, lse - z_t, 0.0), mask=rmask)
@@ -92,7 +102,8 @@ def _ce_rows_kernel(
         for v0 in range(0, V, BLOCK_V):
             c = v0 + cols
             mask = rmask[:, None] & (c < V)[None, :]
-            z = tl.load(z_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
+            if not ONE_PASS:
+                z = tl.load(z_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
             p = tl.exp(z - lse[:, None]) - tl.where(c[None, :] == t[:, None], 1.0, 0.0)
             g = tl.where(valid[:, None], p * scale, 0.0)  # [BLOCK_R, BLOCK_V], 0 on ignored rows
             tl.store(z_rows + c[None, :], g.to(z_ptr.dtype.element_ty), mask=mask)
@@ -122,6 +133,7 @@ def ce_rows(
     if r == 0:
         return
     cfg = cfg or CONFIG
+    block_v = min(cfg.block_v, triton.next_power_of_2(v))
     _ce_rows_kernel[(triton.cdiv(r, cfg.block_r),)](
         z,
         targets,
@@ -132,7 +144,8 @@ def ce_rows(
         z.stride(0),
         ignore_index,
         WRITE_GRAD=write_grad,
+        ONE_PASS=block_v >= v,
         BLOCK_R=cfg.block_r,
-        BLOCK_V=min(cfg.block_v, triton.next_power_of_2(v)),
+        BLOCK_V=block_v,
         num_warps=cfg.num_warps,
     )

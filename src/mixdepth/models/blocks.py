@@ -114,9 +114,8 @@ class Attention(nn.Module):
         self.impl = c.attn_impl
         self.n_heads, self.n_kv_heads = c.n_heads, c.n_kv_heads
         self.head_dim = c.d_model // c.n_heads
-        self.wq = nn.Linear(c.d_model, c.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(c.d_model, c.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(c.d_model, c.n_kv_heads * self.head_dim, bias=False)
+        # q, k, v rows of one projection: one matmul reads x (and one writes its gradient) instead of three
+        self.wqkv = nn.Linear(c.d_model, (c.n_heads + 2 * c.n_kv_heads) * self.head_dim, bias=False)
         self.wo = nn.Linear(c.n_heads * self.head_dim, c.d_model, bias=False)
         self.q_norm = RMSNorm(self.head_dim) if c.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim) if c.qk_norm else None
@@ -125,9 +124,8 @@ class Attention(nn.Module):
         """x: [B, T, D] -> q [B, Hq, T, hd], k and v [B, Hk, T, hd] (views of [B, T, H, hd] tensors), RoPE
         applied at ``pos``."""
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
+        heads = (self.n_heads, self.n_kv_heads, self.n_kv_heads)
+        q, k, v = self.wqkv(x).view(B, T, sum(heads), self.head_dim).split(heads, dim=2)  # [B, T, H, hd] views
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return rope(q, pos).transpose(1, 2), rope(k, pos).transpose(1, 2), v.transpose(1, 2)
@@ -161,14 +159,16 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
+    """``w2(silu(x W1^T) * x W3^T)``, W1 (gate) and W3 (up) as the two halves of one projection ``w13``."""
+
     def __init__(self, d_model: int, d_ff: int):
         super().__init__()
-        self.w1 = nn.Linear(d_model, d_ff, bias=False)
-        self.w3 = nn.Linear(d_model, d_ff, bias=False)
+        self.w13 = nn.Linear(d_model, 2 * d_ff, bias=False)  # gate rows, then up rows: one matmul
         self.w2 = nn.Linear(d_ff, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate, up = self.w13(x).chunk(2, dim=-1)  # [..., d_ff] views
+        return self.w2(F.silu(gate) * up)
 
 
 # ---- residual placement and the block ---------------------------------------------------------------------

@@ -72,7 +72,7 @@ class DenseConfig:
     # ---- parameters -------------------------------------------------------------------------------
     def block_params(self) -> int:
         d, hd = self.d_model, self.head_dim
-        attn = d * self.n_heads * hd * 2 + d * self.n_kv_heads * hd * 2  # wq, wo, wk, wv
+        attn = d * self.n_heads * hd * 2 + d * self.n_kv_heads * hd * 2  # wqkv (q, k, v rows), wo
         qk = 2 * hd if self.qk_norm else 0
         return attn + qk + 3 * d * self.d_ff + 2 * d  # + SwiGLU + two norms
 

@@ -145,6 +145,30 @@ def test_keep_ckpt_leaves_final_weights_that_load_without_lightning(tmp_path, un
     finish_checkpoints(folder, keep=False)  # a run whose folder is gone already (or never was): nothing to do
 
 
+@pytest.mark.parametrize("arch", ["dense", "mod", "moda"])
+def test_weights_saved_before_the_projections_were_fused_load(arch):
+    """A state dict from before q/k/v and gate/up were one projection each (separate wq, wk, wv; w1, w3) loads
+    into the fused model with the same weights, GQA's row counts included."""
+    config_cls, model_cls = MODELS[arch]
+    cfg = config_cls(arch=arch, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, seq_len=16)
+    torch.manual_seed(0)
+    model = model_cls(cfg)
+    old, hd = {}, cfg.head_dim
+    for k, v in model.state_dict().items():
+        if k.endswith("wqkv.weight"):
+            q, kk, vv = v.split((cfg.n_heads * hd, cfg.n_kv_heads * hd, cfg.n_kv_heads * hd))
+            old |= {k.replace("wqkv", "wq"): q, k.replace("wqkv", "wk"): kk, k.replace("wqkv", "wv"): vv}
+        elif k.endswith("w13.weight"):
+            old |= dict(zip((k.replace("w13", "w1"), k.replace("w13", "w3")), v.chunk(2), strict=True))
+        else:
+            old[k] = v
+    assert any(k.endswith(".wk.weight") for k in old) and any(k.endswith(".w3.weight") for k in old)
+    fresh = model_cls(cfg)
+    fresh.load_state_dict(old)  # strict: every key used, none missing
+    for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
 def test_keep_without_a_final_checkpoint_is_refused_and_removes_nothing(tmp_path):
     folder = tmp_path / "run"
     folder.mkdir()

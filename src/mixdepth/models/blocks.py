@@ -55,6 +55,18 @@ class Rotary(nn.Module):
         return out.to(x.dtype)
 
 
+def load_separate_projections(parts: tuple[str, ...], fused: str):
+    """A ``load_state_dict`` pre-hook: a checkpoint written before the Linear ``fused`` held the row blocks ``parts``
+    (before 2026-12-06, e9a56ec) stores them as separate weights; they are concatenated in that order."""
+
+    def hook(module, state_dict, prefix, *_):
+        keys = [f"{prefix}{part}.weight" for part in parts]
+        if all(k in state_dict for k in keys):
+            state_dict[f"{prefix}{fused}.weight"] = torch.cat([state_dict.pop(k) for k in keys])
+
+    return hook
+
+
 # ---- attention ------------------------------------------------------------------------------------------
 def causal_mask(n_q: int, n_k: int, device) -> torch.Tensor:
     """[n_q, n_k] bool visibility of the last n_q of n_k causal positions: query i sees keys 0..n_k - n_q + i."""
@@ -116,6 +128,7 @@ class Attention(nn.Module):
         self.head_dim = c.d_model // c.n_heads
         # q, k, v rows of one projection: one matmul reads x (and one writes its gradient) instead of three
         self.wqkv = nn.Linear(c.d_model, (c.n_heads + 2 * c.n_kv_heads) * self.head_dim, bias=False)
+        self.register_load_state_dict_pre_hook(load_separate_projections(("wq", "wk", "wv"), "wqkv"))
         self.wo = nn.Linear(c.n_heads * self.head_dim, c.d_model, bias=False)
         self.q_norm = RMSNorm(self.head_dim) if c.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim) if c.qk_norm else None
@@ -164,6 +177,7 @@ class SwiGLU(nn.Module):
     def __init__(self, d_model: int, d_ff: int):
         super().__init__()
         self.w13 = nn.Linear(d_model, 2 * d_ff, bias=False)  # gate rows, then up rows: one matmul
+        self.register_load_state_dict_pre_hook(load_separate_projections(("w1", "w3"), "w13"))
         self.w2 = nn.Linear(d_ff, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

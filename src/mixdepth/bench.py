@@ -115,7 +115,8 @@ def synthetic_data(folder: Path, vocab: int, tokens: int, seq_len: int, val_toke
 def bench_mfu(args) -> None:
     """Tokens/s and MFU through ``train.fit`` (the path every sweep run takes) of each arch at one shape, on each
     device count of ``--devices`` (same global batch), side by side in one process; the speed of each relative to
-    the first (MoD vs dense with the trainer's settings; two GPUs vs one), its peak memory and losses."""
+    the first arch trained the same way (MoD vs dense, both with the step graph or both without) and to its own first
+    way (the step graph's gain; two GPUs vs one), its peak memory and losses."""
     vocab = args.vocab
     with tempfile.TemporaryDirectory() as tmp:
         T, d, H = args.seq_len, args.d_model, args.d_model // 64
@@ -156,26 +157,37 @@ def bench_mfu(args) -> None:
                     torch._dynamo.reset()
                     prof = [StepWindowProfile(start, args.profile, f" {arch}{label}")] if args.profile else []
                     run = RunConfig(model, data, replace(t, devices=n, strategy=how), args.steps)
-                    rows.append((arch + label, model, fit(run, callbacks=prof).metrics))
+                    rows.append((arch, label, model, fit(run, callbacks=prof).metrics))
     print(
         f"d{d} L{args.n_layers} H{H} T{T} vocab {vocab} tied, {args.corpus} corpus, global batch {args.batch_size}x{T},"
         f" steps {args.steps}, compile {not args.no_compile} (mode {args.compile_mode}, scope {args.compile_scope}),"
-        f" window of the last {min(100, args.steps // 2)} steps; device {rows[0][2].device}, precision"
-        f" {rows[0][2].precision}, devices {args.devices} (strategy {args.strategy}, beside them 1 auto; tokens/s"
+        f" window of the last {min(100, args.steps // 2)} steps; device {rows[0][3].device}, precision"
+        f" {rows[0][3].precision}, devices {args.devices} (strategy {args.strategy}, beside them 1 auto; tokens/s"
         " over all of them, MFU and peak memory per device)"
         + (f"; +graph_step: train.graph_step=true, compile mode {mode}" if args.graph_step else "")
     )
-    print("| arch | params | fwd FLOPs/token | tokens/s | MFU (peak FLOP/s) | speed vs first | peak GiB | val loss |"
-          " train loss | wall s |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for arch, model, res in rows:
+    ratios = speed_ratios([(arch, label, res.tokens_per_s) for arch, label, _, res in rows])
+    print("| arch | params | fwd FLOPs/token | tokens/s | MFU (peak FLOP/s) | speed vs first arch, same way |"
+          " speed vs its first way | peak GiB | val loss | train loss | wall s |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for (arch, label, model, res), (vs_arch, vs_way) in zip(rows, ratios, strict=True):
         mfu = f"{res.mfu:.1%} ({res.peak_flops:.4g})" if res.mfu else "n/a (no known peak)"
         memory = "n/a" if res.peak_memory_gib is None else f"{res.peak_memory_gib:.2f}"
         print(
-            f"| {arch} | {model.n_params()['total']:,} | {model.flops_per_token():.4g} | {res.tokens_per_s:,.0f} |"
-            f" {mfu} | {res.tokens_per_s / rows[0][2].tokens_per_s:.3f}x | {memory} | {res.val_loss:.4f} |"
+            f"| {arch}{label} | {model.n_params()['total']:,} | {model.flops_per_token():.4g} |"
+            f" {res.tokens_per_s:,.0f} | {mfu} | {vs_arch:.3f}x | {vs_way:.3f}x | {memory} | {res.val_loss:.4f} |"
             f" {res.train_loss:.4f} | {res.wall_s:.1f} |"
         )
+
+
+def speed_ratios(rows: list[tuple[str, str, float]]) -> list[tuple[float, float]]:
+    """(arch, way, tokens/s) rows -> per row, its speed over the first arch's trained the same way (MoD vs dense, both
+    with the step graph or both without) and over its own arch's first way (the step graph's gain; two GPUs vs one)."""
+    first_arch, first_way = {}, {}
+    for arch, way, tps in rows:
+        first_arch.setdefault(way, tps)
+        first_way.setdefault(arch, tps)
+    return [(tps / first_arch[way], tps / first_way[arch]) for arch, way, tps in rows]
 
 
 def _profile_start(steps: int, n: int, log_every: int) -> int:

@@ -17,7 +17,7 @@ from mixdepth.config import ConfigError, LabConfig, TrainConfig
 from mixdepth.data import load_corpus
 from mixdepth.launch import check_devices, resolve_device
 from mixdepth.train import RunConfig
-from sweeps import bracket, mps, provenance, queue
+from sweeps import bracket, cost, mps, provenance, queue
 from sweeps.collect import collect_study
 from sweeps.deadline import TIME_LIMIT, Deadline
 from sweeps.journal import repair
@@ -171,6 +171,9 @@ def run_isoflop(
                 f"then up to sweep.max_extra={extra} sizes per (arch, budget) may be added to bracket its optimum,"
                 " where its isoFLOP vertex falls outside the sampled sizes"
             )
+        if paths.db.is_file():
+            for line in cost.lines(trials, lab.train.batch_size, paths.db):
+                print(line)
         return 0
     meta = {
         "sweep_id": sid,

@@ -1,5 +1,6 @@
 """python -m sweeps alone: every shape of a sweep timed alone, stored once, resumed, and used by the time view."""
 
+import re
 import shutil
 import subprocess
 import sys
@@ -104,3 +105,37 @@ def test_bad_input_is_one_line_and_writes_nothing(timed):
     r = run("alone", "--db", str(gpu))
     assert r.returncode == 2 and r.stderr == "error: train.accelerator=gpu, but no GPU is visible; use auto or cpu\n"
     assert _rates(gpu) == [] and r.stdout == ""
+
+
+def test_a_dry_run_prices_its_plan_at_the_stored_alone_rates(timed):
+    """The same plan against the database its shapes were timed in: every run counted, its steps one after another
+    at those rates and their share of a (given) peak as the report's time view has them; a size never timed is named
+    and left out; a database without rates adds nothing."""
+    d, run, *_ = timed
+    priced = d / "priced.db"
+    shutil.copy(d / "r.db", priced)
+    con = duckdb.connect(str(priced))
+    seconds, flops = con.execute(
+        "SELECT sum(r.tokens / a.tokens_per_s), sum(r.train_flops) FROM runs r"
+        f" JOIN alone_rates a ON a.shape = {SHAPE_KEY}"
+    ).fetchone()
+    peak = 4 * flops / seconds  # a CPU has no known peak; one at which the runs would use 25% of it
+    con.execute("UPDATE alone_rates SET peak_flops = ?", [peak])
+    con.close()
+    r = run("isoflop", "--dry-run", "--db", str(priced), *SMALL)
+    assert r.returncode == 0, r.stderr
+    line = r.stdout.splitlines()[-1]
+    head = "cost at the rates its shapes trained alone on cpu:"
+    assert line.startswith(head) and "(priced.db, `python -m sweeps alone`): 4 of its 4 runs" in line, line
+    at = re.escape(f"({peak:.4g} FLOP/s)")
+    minutes, share = re.search(rf"take ([\d.]+) device-minutes and use ([\d.]+)% of its peak {at}", line).groups()
+    assert float(minutes) == pytest.approx(seconds / 60, abs=0.051) and share == "25.0"
+
+    ladder = SMALL[-2].replace("]", ", {d_model: 32, n_layers: 2, n_heads: 2}]")
+    r = run("isoflop", "--dry-run", "--db", str(priced), *SMALL[:-2], ladder, SMALL[-1])
+    *_, line, untimed = r.stdout.splitlines()
+    assert r.returncode == 0 and " 4 of its 6 runs" in line, r.stdout
+    assert untimed == "not timed alone there, not counted: dense d_model=32 layers=2"
+
+    r = run("isoflop", "--dry-run", "--db", str(d / "before.db"), *SMALL)
+    assert r.returncode == 0 and "cost at the rates" not in r.stdout and "not timed alone" not in r.stdout

@@ -44,6 +44,7 @@ def stored_rates(db: Path) -> tuple[str, float | None, dict[tuple[str, int], flo
 
 
 def shape(model: dict, batch_size: int) -> tuple[str, int]:
+    """A run's shape: its model config (as sorted JSON) and batch size."""
     return json.dumps(model, sort_keys=True), batch_size
 
 

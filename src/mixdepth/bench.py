@@ -181,8 +181,8 @@ def bench_mfu(args) -> None:
 
 
 def speed_ratios(rows: list[tuple[str, str, float]]) -> list[tuple[float, float]]:
-    """(arch, way, tokens/s) rows -> per row, its speed over the first arch's trained the same way (MoD vs dense, both
-    with the step graph or both without) and over its own arch's first way (the step graph's gain; two GPUs vs one)."""
+    """(arch, way, tokens/s) rows -> per row, its speed over that of the first arch trained the same way (MoD vs dense,
+    both with the step graph or both without) and over its own arch's first way (the step graph's gain; 2 GPUs vs 1)."""
     first_arch, first_way = {}, {}
     for arch, way, tps in rows:
         first_arch.setdefault(way, tps)

@@ -80,7 +80,7 @@ def side(runs: list[Sized], budget: float) -> tuple[str | None, str]:
     for r in ok:
         by_n.setdefault(r.n, []).append(r.loss)
     if not by_n:
-        return None, "no run finished with a finite loss"
+        return None, "no run finished with a loss to fit"
     if len(by_n) == 1:
         return None, "one size: no side to add sizes on"
     mean = {n: sum(v) / len(v) for n, v in by_n.items()}

@@ -377,10 +377,11 @@ def _run(
             [sid],
         ).fetchone()
     if n_div:
-        print(f"{n_div} of {n_div + n_ok} runs diverged (a loss not finite): stored with NULL losses, not fitted")
+        why = f"a loss not finite, or the training loss above {results.BLOW_UP:g} x its first"
+        print(f"{n_div} of {n_div + n_ok} runs diverged ({why}): stored with NULL losses, not fitted")
     if not n_ok:
         print(
-            gave_up or f"error: no run of sweep {sid} has a finite loss, nothing to fit; lower train.lr",
+            gave_up or f"error: no run of sweep {sid} has a loss to fit (every run diverged); lower train.lr",
             file=sys.stderr,
         )
         return 1

@@ -196,7 +196,7 @@ class Drain:
                 self.on_done(study, row, res)
             self.progress.finished(row["train_flops"])
             m = res.metrics
-            loss = "diverged (loss not finite)" if m.val_loss is None else f"{m.val_loss:.4f}"
+            loss = "diverged (no loss to fit)" if m.val_loss is None else f"{m.val_loss:.4f}"
             self.progress.line(f"    [{i}/{max(n, i)}] val_loss={loss} ({m.wall_s:.1f}s, {m.tokens_per_s:,.0f} tok/s)")
             if run.ckpt_dir is not None:  # stored: its checkpoints are no longer needed (or its last one is kept)
                 from mixdepth.checkpoints import finish_checkpoints

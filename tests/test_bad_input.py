@@ -1,6 +1,7 @@
 """Bad input: one clear line on stderr, a non-zero exit, and an existing results.db left byte-for-byte unchanged."""
 
 import hashlib
+import math
 import subprocess
 import sys
 import time
@@ -144,6 +145,25 @@ def test_diverged_runs_are_stored_as_diverged_never_as_a_loss(cli, tmp_path, sta
     con.close()
     row = status_row(cli("sweeps", "status", "--db", str(db)).stdout, "nan")
     assert [row[k] for k in ("ok", "diverged", "failed attempts", "best val_loss")] == ["0", "2", "0", "-"]
+
+
+@pytest.mark.parametrize("lr, status", [(0.3, "diverged"), (3e-3, "ok")])
+def test_a_run_whose_loss_blows_up_is_diverged_though_it_stays_finite(lr, status):
+    """MoD at a far too high learning rate: its training loss jumps to 1e2-1e4 and falls back, finite throughout,
+    and its held-out loss is a number; a run that blew up is no point on a curve, so it is diverged like a NaN run
+    (NULL losses), its curve kept. The same run at a sane rate stays ok."""
+    from mixdepth.config import DataConfig, TrainConfig
+    from mixdepth.models import MODELS
+    from mixdepth.train import RunConfig, fit
+
+    model = MODELS["mod"][0](d_model=32, n_layers=2, n_heads=2, n_kv_heads=2, seq_len=32, vocab_size=256)
+    train = TrainConfig(batch_size=8, lr=lr, progress=False, logger="none", log_every=1)
+    res = fit(RunConfig(model, DataConfig(seq_len=32, max_bytes=200000, val_tokens=2048), train, 30))
+    losses = [p["train_loss"] for p in res.curve]
+    assert len(losses) == 30 and all(map(math.isfinite, losses)), losses
+    assert res.metrics.status == status and results.blew_up(res.curve) == (status == "diverged"), losses
+    m = res.metrics
+    assert (m.val_loss is None and m.train_loss is None and m.routing_stats is None) == (status == "diverged")
 
 
 @pytest.mark.parametrize("target", ["results.db", "results.db.wal", "results.db.optuna.log", "link.db"])

@@ -162,3 +162,49 @@ def test_sweeps_carry_their_provenance_also_in_an_older_database(tmp_path):
         "sweep_id", "arch", "budget", "run_id", "n", "params_total", "params_active", "d", "flops_per_token",
         "train_flops", "val_loss", "val_loss_causal",
     ]  # fmt: skip
+
+
+def _curve(*losses: float) -> list[dict]:
+    return [
+        {"step": s, "tokens": 16 * s, "flops": 1e6 * s, "train_loss": v, "lr": 1e-3} for s, v in enumerate(losses, 1)
+    ]
+
+
+@pytest.mark.parametrize(
+    "losses, blown",
+    [
+        ((5.5, 3.0, 2.1), False),
+        ((5.5, 5.6, 4.0), False),  # a bump during warm-up: noise, not a blow-up
+        ((5.5, 3.0, 11.1, 2.9), True),  # above twice the first, though it fell back
+        ((6.4, 113.3, 1.7e6, 3.1), True),
+        ((), False),
+    ],
+)
+def test_blew_up_is_a_loss_above_twice_the_first(losses, blown):
+    assert results.blew_up(_curve(*losses)) is blown
+
+
+def test_a_schema_1_store_has_its_blown_up_runs_judged_on_opening(tmp_path):
+    """A store written before the blow-up rule: the first write-open turns its ok runs whose stored curve blew up
+    into diverged ones with NULL losses and statistics (their curves kept), leaves the rest as they were, and does
+    it once (a schema 2 store is not judged again)."""
+    path = tmp_path / "r.db"
+    con = results.connect(path)
+    results.add_run(con, record("healthy"), _curve(5.5, 3.0, 2.4))
+    results.add_run(con, record("blown"), _curve(5.5, 4000.0, 2.9))
+    results.add_run(con, record("nan", status="diverged", val_loss=None), _curve(5.5, 9.0))
+    con.execute("UPDATE meta SET value = '1' WHERE key = 'schema_version'")
+    con.close()
+    con = results.connect(path)
+    cols = "run_id, status, val_loss, val_loss_causal, train_loss, routing_stats"
+    assert con.execute(f"SELECT {cols} FROM runs ORDER BY 1").fetchall() == [
+        ("blown", "diverged", None, None, None, None),
+        ("healthy", "ok", 2.5, 2.75, 2.4, '{"capacity": 0.125}'),
+        ("nan", "diverged", None, 2.75, 2.4, '{"capacity": 0.125}'),
+    ]
+    assert con.execute("SELECT count(*) FROM curves WHERE run_id = 'blown'").fetchone()[0] == 3
+    assert con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0] == "2"
+    results.add_run(con, record("later"), _curve(5.5, 4000.0))  # as a schema 2 store: judged when trained
+    con.close()
+    con = results.connect(path)
+    assert con.execute("SELECT status FROM runs WHERE run_id = 'later'").fetchone()[0] == "ok"

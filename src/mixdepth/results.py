@@ -26,7 +26,8 @@ from typing import Annotated, Any, get_args, get_type_hints
 
 import duckdb
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: a run that blew up (``blew_up``) is diverged; a version 1 store's runs are judged on opening
+BLOW_UP = 2.0  # a training loss above this many times the first step's (the model at initialisation) blew up
 LOCK_WAIT_S = 10.0  # how long an open waits out another process's DuckDB file lock
 
 # Column types: each record field's annotation names its DuckDB type (NULL allowed where it says `| None`).
@@ -42,7 +43,7 @@ Json = Annotated[Any, "JSON"]  # dicts and lists, stored as sorted-key JSON text
 class RunMetrics:
     """What one training run measured (``train.fit`` returns it); stored in ``runs`` in this field order."""
 
-    status: Varchar  # ok | diverged (a loss not finite: then every loss is NULL)
+    status: Varchar  # ok | diverged (a loss not finite, or the training loss blew up: then every loss is NULL)
     val_loss: Double | None  # held-out mean token loss (nats)
     val_loss_causal: Double | None  # routed archs: loss under causal routing; NULL otherwise
     train_loss: Double | None  # mean loss over the last logged steps
@@ -132,6 +133,8 @@ SWEEP_PROVENANCE: dict[str, str] = {
     "commit": "VARCHAR",  # the git commit of that code's source tree; NULL outside a git checkout
     "command": "VARCHAR",  # the command line that last ran it (storage passwords hidden)
 }
+
+
 USAGE_PROVENANCE: dict[str, str] = {  # each command's own: a sweep resumed by later commands may run other code
     "commit": "VARCHAR",
     "command": "VARCHAR",
@@ -168,6 +171,23 @@ CREATE OR REPLACE VIEW frontier AS
         SELECT *, row_number() OVER (PARTITION BY sweep_id, arch, budget ORDER BY val_loss) AS rk
         FROM isoflop_points)
     WHERE rk = 1;
+"""
+
+
+def blew_up(curve: Iterable[Mapping[str, Any]]) -> bool:
+    """Whether a training curve (its points' ``train_loss``, the first at step 1: the model at initialisation)
+    rose above ``BLOW_UP`` times its first loss: a run that blew up, however it ended (routed families at a too
+    high learning rate reach 1e2-1e6 and end near the unigram loss), far above any batch's noise (the published
+    reference study's 110 healthy runs reach at most 1.03 times their first, during warm-up)."""
+    losses = [p["train_loss"] for p in curve]
+    return bool(losses) and max(losses) > BLOW_UP * losses[0]
+
+
+# Version 1 stores judged only non-finite losses: their runs whose stored curve blew up become diverged.
+_BLOWN_UP_V1 = f"""
+UPDATE runs SET status = 'diverged', val_loss = NULL, val_loss_causal = NULL, train_loss = NULL, routing_stats = NULL
+WHERE status = 'ok' AND run_id IN (
+    SELECT run_id FROM curves GROUP BY run_id HAVING max(train_loss) > {BLOW_UP} * arg_min(train_loss, step))
 """
 
 
@@ -270,7 +290,7 @@ def connect(path: str | os.PathLike, read_only: bool = False) -> duckdb.DuckDBPy
     con = _open(p, read_only)
     if not read_only:
         try:
-            _check_store(con, p)
+            stored = _check_store(con, p)
         except StoreError:
             con.close()
             raise
@@ -278,6 +298,8 @@ def connect(path: str | os.PathLike, read_only: bool = False) -> duckdb.DuckDBPy
             con.execute("BEGIN")
             con.execute(DDL)
             _add_missing_columns(con)
+            if stored == 1:
+                con.execute(_BLOWN_UP_V1)
             con.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
             con.execute("COMMIT")
         except duckdb.Error as e:
@@ -398,12 +420,13 @@ def _lock(p: Path) -> int:
         os.close(fd)
 
 
-def _check_store(con: duckdb.DuckDBPyConnection, p: Path) -> None:
-    """Before anything is written: an empty file becomes a store; a file with tables must be a mixdepth store
-    (a ``meta`` table with an integer ``schema_version``) of a schema this code knows (no newer one)."""
+def _check_store(con: duckdb.DuckDBPyConnection, p: Path) -> int | None:
+    """Before anything is written: an empty file becomes a store (None); a file with tables must be a mixdepth
+    store (a ``meta`` table with an integer ``schema_version``) of a schema this code knows (no newer one): its
+    version."""
     tables = [r[0] for r in con.execute("SELECT table_name FROM information_schema.tables ORDER BY 1").fetchall()]
     if not tables:
-        return
+        return None
     version = None
     if "meta" in tables:
         row = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
@@ -415,6 +438,7 @@ def _check_store(con: duckdb.DuckDBPyConnection, p: Path) -> None:
         raise StoreError(
             f"database {p} has schema version {version}, newer than this mixdepth's {SCHEMA_VERSION}; upgrade mixdepth"
         )
+    return version
 
 
 def _add_missing_columns(con: duckdb.DuckDBPyConnection) -> None:

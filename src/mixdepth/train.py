@@ -31,7 +31,7 @@ from mixdepth.flops import train_flops
 from mixdepth.launch import check_devices, launch, resolve_device
 from mixdepth.lit import LitLM, LMDataModule
 from mixdepth.models import MODELS
-from mixdepth.results import RunMetrics
+from mixdepth.results import RunMetrics, blew_up
 from mixdepth.throughput import PeakMemory, PeakThroughputMonitor, cadence
 
 # Dense bf16 peak FLOP/s of chips Lightning does not name correctly ("NVIDIA H200" is not in its table).
@@ -255,8 +255,8 @@ def _fit(run: RunConfig, cache_dir: Path | None, callbacks: tuple[Callback, ...]
     losses = {"val_loss": stats.pop("val_loss", float("nan")), "train_loss": sum(tail) / len(tail)}
     if "val_loss_causal" in stats:
         losses["val_loss_causal"] = stats.pop("val_loss_causal")
-    diverged = not all(math.isfinite(v) for v in losses.values())
-    if diverged:  # a loss that is not finite is no result: losses and statistics NULL, never a number to fit
+    diverged = blew_up(lit.curve) or not all(math.isfinite(v) for v in losses.values())
+    if diverged:  # a loss not finite or blown up is no result: losses and statistics NULL, never a number to fit
         losses, stats = dict.fromkeys(losses), {}
     tps = tp["device/items_per_sec"] * world if "device/items_per_sec" in tp else tokens / wall  # global tokens/s
     metrics = RunMetrics(

@@ -133,8 +133,6 @@ SWEEP_PROVENANCE: dict[str, str] = {
     "commit": "VARCHAR",  # the git commit of that code's source tree; NULL outside a git checkout
     "command": "VARCHAR",  # the command line that last ran it (storage passwords hidden)
 }
-
-
 USAGE_PROVENANCE: dict[str, str] = {  # each command's own: a sweep resumed by later commands may run other code
     "commit": "VARCHAR",
     "command": "VARCHAR",

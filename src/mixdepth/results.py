@@ -181,12 +181,21 @@ def blew_up(curve: Iterable[Mapping[str, Any]]) -> bool:
     return bool(losses) and max(losses) > BLOW_UP * losses[0]
 
 
-# Version 1 stores judged only non-finite losses: their runs whose stored curve blew up become diverged.
-_BLOWN_UP_V1 = f"""
-UPDATE runs SET status = 'diverged', val_loss = NULL, val_loss_causal = NULL, train_loss = NULL, routing_stats = NULL
-WHERE status = 'ok' AND run_id IN (
-    SELECT run_id FROM curves GROUP BY run_id HAVING max(train_loss) > {BLOW_UP} * arg_min(train_loss, step))
-"""
+def _diverge_blown_up(con: duckdb.DuckDBPyConnection) -> None:
+    """A version 1 store judged only non-finite losses: its ok runs whose stored curve ``blew_up`` become diverged
+    (losses and statistics NULL, curves kept)."""
+    points: dict[str, list[dict]] = {}
+    for run_id, loss in con.execute(
+        "SELECT c.run_id, c.train_loss FROM curves c JOIN runs r USING (run_id) WHERE r.status = 'ok'"
+        " ORDER BY c.run_id, c.step"
+    ).fetchall():
+        points.setdefault(run_id, []).append({"train_loss": loss})
+    for run_id in (r for r, curve in points.items() if blew_up(curve)):
+        con.execute(
+            "UPDATE runs SET status = 'diverged', val_loss = NULL, val_loss_causal = NULL, train_loss = NULL,"
+            " routing_stats = NULL WHERE run_id = ?",
+            [run_id],
+        )
 
 
 class StoreError(RuntimeError):
@@ -297,7 +306,7 @@ def connect(path: str | os.PathLike, read_only: bool = False) -> duckdb.DuckDBPy
             con.execute(DDL)
             _add_missing_columns(con)
             if stored == 1:
-                con.execute(_BLOWN_UP_V1)
+                _diverge_blown_up(con)
             con.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
             con.execute("COMMIT")
         except duckdb.Error as e:

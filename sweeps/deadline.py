@@ -5,11 +5,14 @@ command stops with the rest still queued instead of killing runs half-way, whose
 
 A prediction is the run's set-up, training and evaluation seconds, from the finished runs of its sweep:
 
-- a shape trained before (same sweep, arch, width, depth and batch): its slowest seconds per step times the run's
-  steps, plus its longest set-up and evaluation;
-- another shape: its training FLOPs at the lowest FLOP rate the sweep's runs of its arch reached (of every arch
-  when none of its own has finished), scaled down with width for a narrower model (the queue's ``cost``: small
-  matmuls run further below peak), plus the longest set-up and evaluation seen;
+- a shape trained before (same sweep, arch, width, depth and batch): the seconds per step of its run with the most
+  steps (the one whose compilation is spread thinnest; the slowest of those) times the run's steps, plus the
+  shape's longest set-up and evaluation;
+- another shape: its training FLOPs at the FLOP rate of its arch's run of the most FLOPs at the nearest width at or
+  below its own (of every arch when none of its own has finished): wider models run closer to peak, and the nearest
+  narrower width is the tightest such bound, where the narrowest would price a d 1024 run at a d 256 one's rate (4.7x
+  its seconds, 2026-12-06). With only wider widths finished, the lowest of their rates scaled down with width (the
+  queue's ``cost``: small matmuls run further below peak). Plus the longest set-up and evaluation seen;
 - nothing finished yet: no prediction; such a run starts first, while the time left is longest.
 
 The finished runs shared the device with the others in flight as the queued ones will, and compilation is in their
@@ -60,25 +63,30 @@ def predictor(finished: Iterable[dict]) -> Callable[[dict], float | None]:
     their ``RunMetrics`` (``queue.finished``); None when none has finished. Diverged runs are left out (they may
     stop early)."""
     done = [r for r in finished if r.get("status") == "ok" and r["wall_s"] > 0]
-    per_step: dict[tuple, float] = {}
-    fixed: dict[tuple, float] = {}
-    rates: dict[str, list[tuple[float, int]]] = {}  # arch -> (FLOP/s, width) of each finished run
+    runs: dict[tuple, list[dict]] = {}
+    rates: dict[str, list[dict]] = {}
     for r in done:
-        k = _shape(r)
-        per_step[k] = max(per_step.get(k, 0.0), r["wall_s"] / r["steps"])
-        fixed[k] = max(fixed.get(k, 0.0), _fixed(r))
-        rates.setdefault(r["arch"], []).append((r["train_flops"] / r["wall_s"], r["d_model"]))
-    longest = max(fixed.values(), default=0.0)
-    every = [x for xs in rates.values() for x in xs]
+        runs.setdefault(_shape(r), []).append(r)
+        rates.setdefault(r["arch"], []).append(r)
+    longest = max(map(_fixed, done), default=0.0)
+    every = [r for rs in rates.values() for r in rs]
+
+    def rate(rs: list[dict], d: int) -> float:
+        """FLOP/s of the runs ``rs`` (one arch's, or every arch's) for a model of width ``d``."""
+        narrower = [r for r in rs if r["d_model"] <= d]
+        if not narrower:
+            return min(r["train_flops"] / r["wall_s"] * d / r["d_model"] for r in rs)
+        width = max(r["d_model"] for r in narrower)
+        top = max((r for r in narrower if r["d_model"] == width), key=lambda r: (r["train_flops"], r["wall_s"]))
+        return top["train_flops"] / top["wall_s"]
 
     def seconds(row: dict) -> float | None:
         if not done:
             return None
-        if (k := _shape(row)) in per_step:
-            return fixed[k] + per_step[k] * row["steps"]
-        d = row["d_model"]
-        rate = min(flops * min(1.0, d / width) for flops, width in rates.get(row["arch"], every))
-        return longest + row["train_flops"] / rate
+        if same := runs.get(_shape(row)):
+            most = max(same, key=lambda r: (r["steps"], r["wall_s"]))
+            return max(map(_fixed, same)) + most["wall_s"] / most["steps"] * row["steps"]
+        return longest + row["train_flops"] / rate(rates.get(row["arch"], every), row["d_model"])
 
     return seconds
 

@@ -40,24 +40,29 @@ def done(wall, setup=2.0, evaluate=1.0, status="ok", **kw) -> dict:
     return row(**kw, status=status, wall_s=wall, setup_s=setup, eval_s=evaluate)
 
 
-def test_a_shape_trained_before_is_predicted_from_its_slowest_seconds_per_step():
-    seconds = predictor([done(100.0, steps=1000), done(60.0, steps=500, setup=5.0)])
-    assert seconds(row(steps=300)) == pytest.approx(5.0 + 1.0 + 300 * 0.12)  # 60 s / 500 steps, the slower
+def test_a_shape_trained_before_is_predicted_from_its_run_with_the_most_steps():
+    seconds = predictor([done(100.0, steps=1000), done(60.0, steps=500, setup=5.0), done(99.0, steps=1000)])
+    # 100 s / 1000 steps (the slower of the two longest; the 500-step run's compilation weighs twice as much)
+    assert seconds(row(steps=300)) == pytest.approx(5.0 + 1.0 + 300 * 0.1)  # the shape's longest set-up + eval
 
 
-def test_another_shape_takes_the_lowest_flop_rate_of_its_arch_scaled_down_for_a_narrower_model():
+def test_another_shape_takes_the_rate_of_its_arch_at_the_nearest_width_at_or_below_its_own():
     finished = [
         done(100.0, d=256, layers=4, flops=1e15),  # 1e13 FLOP/s
+        done(200.0, d=256, layers=4, flops=4e15, steps=400),  # 2e13 FLOP/s: d 256's run of the most FLOPs
         done(50.0, d=192, layers=3, flops=1e15),  # 2e13 FLOP/s
+        done(250.0, d=128, layers=2, flops=1e15),  # 4e12 FLOP/s: the narrowest, not the nearest, for wider runs
         done(10.0, arch="mod", d=192, layers=3, flops=1e15, setup=9.0),  # another arch's: not used but its set-up
     ]
     seconds = predictor(finished)
     wide = row(d=768, layers=12, flops=4e15)
-    assert seconds(wide) == pytest.approx(10.0 + 4e15 / 1e13)  # the longest set-up + evaluation of any run
-    narrow = row(d=96, layers=2, flops=1e15)  # at 96/192 and 96/256 of those rates: 1e13 and 3.75e12 FLOP/s
-    assert seconds(narrow) == pytest.approx(10.0 + 1e15 / (1e13 * 96 / 256))
-    unseen_arch = row(arch="moda", d=192, layers=3, flops=1e15)  # of every arch: dense d 256's, scaled to d 192
-    assert seconds(unseen_arch) == pytest.approx(10.0 + 1e15 / (1e13 * 192 / 256))
+    assert seconds(wide) == pytest.approx(10.0 + 4e15 / 2e13)  # the longest set-up + evaluation of any run
+    between = row(d=224, layers=3, flops=1e15)
+    assert seconds(between) == pytest.approx(10.0 + 1e15 / 2e13)  # d 192's
+    narrow = row(d=96, layers=2, flops=1e15)  # none at or below: the lowest rate scaled down, 4e12 x 96/128
+    assert seconds(narrow) == pytest.approx(10.0 + 1e15 / (4e12 * 96 / 128))
+    unseen_arch = row(arch="moda", d=192, layers=3, flops=1e15)  # of every arch at d 192: the slower of equal FLOPs
+    assert seconds(unseen_arch) == pytest.approx(10.0 + 1e15 / 2e13)
 
 
 def test_diverged_runs_and_an_empty_sweep_predict_nothing():

@@ -81,6 +81,7 @@ def _header_lines(fits: SweepFits, summary: Mapping[str, Any]) -> list[str]:
     lines += [
         f"- name: {summary.get('name') or '–'}; preset: {summary.get('preset') or '–'};"
         f" created: {summary.get('created_at') or '–'}; devices: {', '.join(summary.get('devices') or []) or '–'}",
+        _passes_line(summary.get("passes")),
         f"- fitted series: {', '.join(a.arch for a in fits.archs) or 'none'}"
         " (N = non-embedding parameters, D = tokens trained, C = the sweep's budget, loss in nats)",
         '- every estimate carries its 90% interval in brackets or says "not identified"; measured values are'
@@ -89,6 +90,22 @@ def _header_lines(fits: SweepFits, summary: Mapping[str, Any]) -> list[str]:
         "",
     ]
     return lines
+
+
+def _passes_line(p: Mapping[str, Any] | None) -> str:
+    """How often the runs went over their corpus's training split: past one pass a held-out loss also measures how
+    well a model memorised text it saw again, so such runs' losses are no single-pass scaling data."""
+    if not p or not p["recorded"]:
+        return "- passes over the corpus: not recorded (the runs predate it)"
+    size = f"{p['fewest_tokens']:,}" + (f"-{p['most_tokens']:,}" if p["most_tokens"] != p["fewest_tokens"] else "")
+    of = f" of the {p['recorded']} runs that recorded it" if p["recorded"] < p["runs"] else ""
+    line = f"- passes over the corpus's training split ({size} tokens): {p['least']:.3g}-{p['most']:.3g} per run{of}"
+    if not p["repeated"]:
+        return f"{line}; no run trained on more tokens than it holds"
+    return (
+        f"{line}; **{p['repeated']} runs went over it more than once**: their held-out losses also measure"
+        " memorising a repeated corpus (a larger one: `data.corpus=...`)"
+    )
 
 
 def _provenance_lines(summary: Mapping[str, Any]) -> list[str]:

@@ -189,7 +189,8 @@ def sweep_summary(con: duckdb.DuckDBPyConnection, sweep_id: str | None) -> dict[
         sweep_id, name, preset, created_at; config (the resolved config as stored, a dict, or None); the
         provenance columns planned, version, commit, command (None where the store lacks the column or the
         sweep has no value: unknown); runs_by_status (status -> runs in the database); finished (runs with a
-        status); devices; software (the distinct ``versions`` of the runs, each a dict).
+        status); devices; software (the distinct ``versions`` of the runs, each a dict); usage (``sweep_usage``
+        rows); passes (how often runs went over their corpus, ``_passes``).
     """
     prov = _optional(con, "sweeps", PROVENANCE_COLUMNS)
     row = con.execute(
@@ -221,7 +222,24 @@ def sweep_summary(con: duckdb.DuckDBPyConnection, sweep_id: str | None) -> dict[
         "devices": devices,
         "software": software,
         "usage": _usage(con, sweep_id),
+        "passes": _passes(con, sweep_id),
     }
+
+
+def _passes(con: duckdb.DuckDBPyConnection, sweep_id: str | None) -> dict[str, Any]:
+    """How often the sweep's runs went over their corpus's training split: runs (with a status), recorded (those
+    that stored the split's size), least and most passes, runs of more than one, the split's fewest and most
+    tokens (None where nothing is recorded)."""
+    recorded = "corpus_tokens" in _columns_of(con, "runs")
+    passes = "tokens / corpus_tokens" if recorded else "NULL"
+    row = con.execute(
+        f"SELECT count(*), count({passes}), min({passes}), max({passes}), count(*) FILTER ({passes} > 1),"
+        f" min({'corpus_tokens' if recorded else 'NULL'}), max({'corpus_tokens' if recorded else 'NULL'})"
+        " FROM runs WHERE sweep_id IS NOT DISTINCT FROM ? AND status IS NOT NULL",
+        [sweep_id],
+    ).fetchone()
+    keys = ("runs", "recorded", "least", "most", "repeated", "fewest_tokens", "most_tokens")
+    return dict(zip(keys, row, strict=True))
 
 
 def _usage(con: duckdb.DuckDBPyConnection, sweep_id: str | None) -> list[dict[str, Any]]:

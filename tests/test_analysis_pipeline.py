@@ -255,6 +255,16 @@ def test_redact_hides_url_passwords_only():
                                                              "git commit: none (not run from a git checkout)"]),
         ({"finished": 5, "planned": 5, "runs_by_status": {"ok": 4, "diverged": 1, "unknown": 2}},
          ["**5 runs finished; 5 planned**", "ok: 4, diverged: 1;", "2 runs recorded without a status"]),
+        ({"finished": 5, "passes": {"runs": 5, "recorded": 0, "least": None, "most": None, "repeated": 0,
+                                    "fewest_tokens": None, "most_tokens": None}},
+         ["- passes over the corpus: not recorded (the runs predate it)"]),
+        ({"finished": 5, "passes": {"runs": 5, "recorded": 3, "least": 0.25, "most": 19.5, "repeated": 2,
+                                    "fewest_tokens": 9_000_000, "most_tokens": 9_000_000}},
+         ["- passes over the corpus's training split (9,000,000 tokens): 0.25-19.5 per run of the 3 runs that"
+          " recorded it; **2 runs went over it more than once**: their held-out losses also measure memorising"]),
+        ({"finished": 2, "passes": {"runs": 2, "recorded": 2, "least": 0.01, "most": 0.5, "repeated": 0,
+                                    "fewest_tokens": 100, "most_tokens": 200}},
+         ["(100-200 tokens): 0.01-0.5 per run; no run trained on more tokens than it holds"]),
     ],
 )  # fmt: skip
 def test_report_header_says_how_complete_the_sweep_is(summary, needles):

@@ -28,6 +28,7 @@ SCHEMA_V1 = [
     *((c, "VARCHAR", None) for c in ("corpus", "corpus_fingerprint")),
     ("routing_stats", "JSON", None),
     *((c, "DOUBLE", None) for c in ("setup_s", "eval_s", "peak_memory_gib")),
+    ("corpus_tokens", "BIGINT", None),
     ("config", "JSON", None),
     ("created_at", "TIMESTAMP", None),
 ]
@@ -85,7 +86,7 @@ def test_runs_table_is_the_record(tmp_path):
     assert described == from_record == SCHEMA_V1
     assert list(record().row()) == list(results.RUN_COLUMNS)[:-1]  # all but created_at, which the store stamps
     metric_cols = [f.name for f in dataclasses.fields(results.RunMetrics)]
-    assert list(results.RUN_COLUMNS)[22:39] == metric_cols  # the measured columns sit where the record puts them
+    assert list(results.RUN_COLUMNS)[22:40] == metric_cols  # the measured columns sit where the record puts them
 
 
 def test_record_round_trips_and_replaces(tmp_path):

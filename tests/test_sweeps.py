@@ -81,6 +81,11 @@ def test_sweep_writes_one_row_per_run_with_exact_flops(swept):
     for arch, causal, stats in routed:
         # integrated MoDE has no MoD router: no causal-routing loss (it would repeat val_loss)
         assert stats is not None and (causal is None) == (arch == "mode_integrated"), arch
+    from mixdepth.config import DataConfig
+    from mixdepth.data import load_corpus
+
+    split = load_corpus(DataConfig(seq_len=32, max_bytes=300000, val_tokens=2048)).train.numel()
+    assert con.execute("SELECT DISTINCT corpus_tokens FROM runs").fetchall() == [(split,)]  # its training split
     assert con.execute("SELECT count(*) FROM curves").fetchone()[0] > N_RUNS
     assert con.execute("SELECT count(DISTINCT budget) FROM frontier").fetchone()[0] == 2
     assert con.execute("SELECT count(*) FROM fits").fetchone()[0] > 0
@@ -89,9 +94,15 @@ def test_sweep_writes_one_row_per_run_with_exact_flops(swept):
 def test_sweep_prints_report_paths_that_exist(swept):
     from pathlib import Path
 
-    _, first, _, _ = swept
+    d, first, _, _ = swept
     paths = [ln.split(": ", 1)[1] for ln in first.stdout.splitlines() if ln.split(":")[0] in ("report", "isoflop_plot")]
     assert paths and all(Path(p).exists() for p in paths)
+    con = duckdb.connect(str(d / "r.db"), read_only=True)
+    split, least, most = con.execute("SELECT any_value(corpus_tokens), min(tokens), max(tokens) FROM runs").fetchone()
+    passes = f"{least / split:.3g}-{most / split:.3g}"
+    line = f"- passes over the corpus's training split ({split:,} tokens): {passes} per run;"
+    report = next(ln.split(": ", 1)[1] for ln in first.stdout.splitlines() if ln.startswith("report: "))
+    assert line in Path(report).read_text()
 
 
 def test_rerun_skips_finished_runs(swept):

@@ -60,6 +60,7 @@ class RunMetrics:
     setup_s: Double | None = None  # seconds before training: corpus, model, trainer (the last process it ran in)
     eval_s: Double | None = None  # seconds after training: final checkpoint and the held-out evaluation
     peak_memory_gib: Double | None = None  # most GPU memory for tensors in training, any rank (last process); CPU: NULL
+    corpus_tokens: BigInt | None = None  # tokens in the corpus's training split; tokens / corpus_tokens: passes
 
 
 @dataclass(frozen=True)

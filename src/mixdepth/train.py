@@ -276,6 +276,7 @@ def _fit(run: RunConfig, cache_dir: Path | None, callbacks: tuple[Callback, ...]
         versions=versions(),
         corpus=corpus.name,
         corpus_fingerprint=corpus.fingerprint,
+        corpus_tokens=corpus.train.numel(),
         routing_stats={k: v if math.isfinite(v) else None for k, v in stats.items()} or None,  # JSON: no NaN
     )
     return RunResult(metrics, lit.curve, lit.resumed_step)

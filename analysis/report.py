@@ -93,8 +93,9 @@ def _header_lines(fits: SweepFits, summary: Mapping[str, Any]) -> list[str]:
 
 
 def _passes_line(p: Mapping[str, Any] | None) -> str:
-    """How often the runs went over their corpus's training split: past one pass a held-out loss also measures how
-    well a model memorised text it saw again, so such runs' losses are no single-pass scaling data."""
+    """How often the runs went over their corpus's training split (tokens trained / tokens in it: windows are drawn
+    at random, so the mean times a token was trained on): past one a held-out loss also measures how well a model
+    memorised text it saw again, so such runs' losses are no single-pass scaling data."""
     if not p or not p["recorded"]:
         return "- passes over the corpus: not recorded (the runs predate it)"
     size = f"{p['fewest_tokens']:,}" + (f"-{p['most_tokens']:,}" if p["most_tokens"] != p["fewest_tokens"] else "")

@@ -10,9 +10,10 @@ A prediction is the run's set-up, training and evaluation seconds, from the fini
   shape's longest set-up and evaluation;
 - another shape: its training FLOPs at the FLOP rate of its arch's run of the most FLOPs at the nearest width at or
   below its own (of every arch when none of its own has finished): wider models run closer to peak, and the nearest
-  narrower width is the tightest such bound, where the narrowest would price a d 1024 run at a d 256 one's rate (4.7x
-  its seconds, 2026-12-06). With only wider widths finished, the lowest of their rates scaled down with width (the
-  queue's ``cost``: small matmuls run further below peak). Plus the longest set-up and evaluation seen;
+  narrower width is the tightest such bound, where the narrowest would price a d 1024 run at a d 256 one's rate
+  (MoD d 1024 at 3e16: 1,415 s predicted, 292 s trained; 2026-12-06). With only wider widths finished, the lowest
+  of their rates scaled down with width (the queue's ``cost``: small matmuls run further below peak). Plus the
+  longest set-up and evaluation seen;
 - nothing finished yet: no prediction; such a run starts first, while the time left is longest.
 
 The finished runs shared the device with the others in flight as the queued ones will, and compilation is in their

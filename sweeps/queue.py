@@ -248,9 +248,11 @@ def enqueue(study: optuna.Study, payloads: list[dict[str, Any]], skip_finished: 
     return len(fresh)
 
 
-def requeue(study: optuna.Study, trial: optuna.trial.FrozenTrial | optuna.Trial) -> None:
-    """A new waiting trial of the same run, behind the queued ones."""
-    study.enqueue_trial({}, user_attrs=attrs(trial.user_attrs["run"]))
+def requeue(study: optuna.Study, trial: optuna.trial.FrozenTrial | optuna.Trial, alone: bool = False) -> None:
+    """A new waiting trial of the same run, behind the queued ones; ``alone`` (or the trial's own flag): it
+    trains with its host to itself (``pop``), e.g. after it ran out of memory beside other runs."""
+    alone = alone or trial.user_attrs.get("alone", False)
+    study.enqueue_trial({}, user_attrs=attrs(trial.user_attrs["run"]) | ({"alone": True} if alone else {}))
 
 
 def restart(study: optuna.Study, payloads: dict[str, dict[str, Any]], done: set[str]) -> None:
@@ -267,13 +269,16 @@ def restart(study: optuna.Study, payloads: dict[str, dict[str, Any]], done: set[
                 storage.set_trial_user_attr(t._trial_id, key, value)
 
 
-def pop(study: optuna.Study, order: Callable[[dict], float | None] | None = None) -> optuna.Trial | None:
+def pop(
+    study: optuna.Study, order: Callable[[dict], float | None] | None = None, alone: bool = True
+) -> optuna.Trial | None:
     """Take a queued trial of ``study`` (RUNNING now, on this host), or None when none waits: the longest by ``cost``
     (a size added to bracket an optimum, or a run queued again, takes its place among the queued ones), or with
     ``order`` the first by ``order(row)`` of its run's row among those whose key is not None; ties in queue order.
+    ``alone=False`` (the host trains other runs): none of those queued to train alone (``requeue``).
     Race-free across processes and hosts: the storage moves a trial from WAITING to RUNNING for one caller only."""
     storage = study._storage
-    waiting = trials(study, TrialState.WAITING)
+    waiting = [t for t in trials(study, TrialState.WAITING) if alone or not t.user_attrs.get("alone")]
     if order is None:
         waiting = sorted(waiting, key=lambda t: -cost(t.user_attrs["run"]))  # stable
     else:

@@ -2,9 +2,11 @@
 host, each result stored in its database as it arrives) and of ``python -m sweeps worker`` (any host, results
 through the storage only; it never opens a database).
 
-A run whose fit raises or whose training process dies fails that attempt and is queued again, at most
-``retries`` times; on an RDB storage a run whose host stopped beating (killed, preempted, network gone) is failed
-after the grace period by whichever worker looks next, and Optuna's retry callback queues it again.
+A run whose fit raises or whose training process dies fails that attempt and is queued again, at most ``retries``
+times; one that ran out of memory beside other runs on its GPU is queued to train alone: it starts when nothing else
+trains on the host, and nothing else starts while it does. On an RDB storage a run whose host stopped beating
+(killed, preempted, network gone) is failed after the grace period by whichever worker looks next, and Optuna's
+retry callback queues it again.
 """
 
 from __future__ import annotations
@@ -127,7 +129,7 @@ class Drain:
             with nullcontext(pool) if self.pool else pool:  # the caller's pool is the caller's to end
                 try:
                     while True:
-                        while pool.free and (got := self._next()):
+                        while pool.free and not self._alone(running) and (got := self._next(not running)):
                             study, trial = got
                             rid = queue.run_id(trial)
                             running[rid] = (study, trial, None)  # from here a stop ends it as interrupted (below)
@@ -157,15 +159,25 @@ class Drain:
             if beat:
                 beat.stopped.set()
 
-    def _next(self) -> tuple[optuna.Study, optuna.Trial] | None:
+    def _next(self, alone: bool) -> tuple[optuna.Study, optuna.Trial] | None:
+        """A queued run to start here; ``alone``: nothing trains here, so one queued to train alone may start."""
         order = None
         if self.deadline is not None:  # predicted from every finished run of the studies, this drain's included
             order = self.deadline.order(queue.finished_rows(self.studies))
         for study in self.studies:
             optuna.storages.fail_stale_trials(study)  # RDB: runs of dead hosts, queued again by the retry callback
-            if (trial := queue.pop(study, order)) is not None:
+            if (trial := queue.pop(study, order, alone)) is not None:
                 return study, trial
         return None
+
+    @staticmethod
+    def _alone(running: dict) -> bool:
+        """Whether a run that must train alone trains here."""
+        return any(trial.user_attrs.get("alone") for _, trial, _ in running.values())
+
+    def _shared(self) -> bool:
+        """Whether slots of this host share a GPU (``sweep.workers_per_gpu``)."""
+        return len(set(self.gpus)) < len(self.gpus)
 
     def _queued(self) -> bool:
         return any(queue.trials(s, TrialState.WAITING) for s in self.studies)
@@ -206,12 +218,11 @@ class Drain:
         k = self._attempt(study, rid)
         queue.fail(trial)
         again = k <= self.retries
-        self.progress.line(
-            f"    [{i}/{max(n, i)}] attempt {k} of {self.retries + 1} failed: {why};"
-            f" {'queued again' if again else 'left out'}"
-        )
+        alone = again and self._shared() and "out of memory" in why.lower() and not trial.user_attrs.get("alone")
+        then = "queued again to train alone" if alone else "queued again" if again else "left out"
+        self.progress.line(f"    [{i}/{max(n, i)}] attempt {k} of {self.retries + 1} failed: {why}; {then}")
         if again:
-            queue.requeue(study, trial)
+            queue.requeue(study, trial, alone)
         else:
             failed[rid] = why
 

@@ -222,6 +222,71 @@ def test_runs_are_queued_longest_first_and_ties_keep_their_order():
     assert taken == ["big-narrow", "small-narrow", "tie-a", "tie-b", "small-wide"]
 
 
+class SharedGpu:
+    """Two slots on one GPU, ``Drain``'s pool without training: a run takes ``seconds[run_id]`` on the clock ``now``;
+    ``big`` runs out of memory (after 1 s) when it starts beside another run."""
+
+    def __init__(self, seconds: dict[str, float], big: str):
+        self.now, self.seconds, self.big = 0.0, seconds, big
+        self.jobs: dict[str, tuple[float, float, bool]] = {}  # run_id -> (start, end, out of memory)
+        self.log: list[tuple[str, float, float, bool]] = []  # run_id, start, end, out of memory
+
+    free = property(lambda self: 2 - len(self.jobs))
+
+    def submit(self, key, run) -> None:
+        oom = key == self.big and bool(self.jobs)
+        self.jobs[key] = (self.now, self.now + (1.0 if oom else self.seconds[key]), oom)
+
+    def wait(self, timeout=None):
+        from mixdepth.results import RunMetrics
+        from mixdepth.train import RunResult
+
+        rid = min(self.jobs, key=lambda k: self.jobs[k][1])
+        start, self.now, oom = self.jobs.pop(rid)
+        self.log.append((rid, start, self.now, oom))
+        if oom:
+            return rid, None, "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+        metrics = RunMetrics("ok", 1.0, None, 1.0, 1.0, 1.0, None, None, "sim", "bf16", {}, "c", "f", None)
+        return rid, RunResult(metrics), None
+
+
+def test_a_run_out_of_memory_beside_others_is_retried_alone():
+    """Slots sharing a GPU: a run that ran out of memory beside another is queued to train alone; it starts once
+    nothing else trains on the host (here after the rest, two at a time) and nothing starts beside it. Where slots
+    do not share a GPU, the same failure is an ordinary retry."""
+    from sweeps import queue
+    from sweeps.worker import Drain
+
+    def run(rid: str, flops: float) -> dict:
+        row = {"run_id": rid, "arch": "dense", "budget": flops, "params_nonembed": 1, "tokens": 1, "d_model": 64}
+        return {"run": {}, "row": {**row, "n_layers": 1, "seed": 0, "train_flops": flops, "steps": 1}}
+
+    seconds = {"a": 10.0, "big": 30.0, "b": 8.0, "c": 6.0, "d": 4.0}  # queued longest first: a, big, b, c, d
+    plan = [run(r, 10.0 - i) for i, r in enumerate(seconds)]
+    study = optuna.create_study()
+    queue.enqueue(study, plan)
+    pool = SharedGpu(seconds, "big")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(queue, "decode_run", lambda payload, *a: type("Run", (), {"ckpt_dir": None})())
+        assert Drain(studies=[study], slots=2, gpus=["0", "0"], pool=pool).run() == {}
+    (*_, oom), *rest = [x for x in pool.log if x[0] == "big"]
+    assert oom and len(rest) == 1 and not rest[0][3]  # out of memory beside "a", then trained
+    _, alone_start, alone_end, _ = rest[0]
+    for rid, start, end, _ in pool.log:  # nothing overlaps the run trained alone
+        assert rid == "big" or end <= alone_start or start >= alone_end, (rid, start, end)
+    done = {queue.run_id(t) for t in queue.trials(study, optuna.trial.TrialState.COMPLETE)}
+    assert done == set(seconds)
+    again = [t for t in queue.trials(study, optuna.trial.TrialState.COMPLETE) if t.user_attrs.get("alone")]
+    assert [queue.run_id(t) for t in again] == ["big"]
+
+    study = optuna.create_study()  # one slot per GPU: the failure is retried as any other, not alone
+    queue.enqueue(study, plan)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(queue, "decode_run", lambda payload, *a: type("Run", (), {"ckpt_dir": None})())
+        Drain(studies=[study], slots=2, gpus=["0", "1"], pool=SharedGpu(seconds, "big")).run()
+    assert not any(t.user_attrs.get("alone") for t in study.trials)
+
+
 def test_a_started_pool_spawns_its_workers_at_once_and_a_drain_leaves_them_to_their_owner():
     """``Pool.start`` (the sweep, under its MPS): every worker exists before any run; a drain given the pool trains
     with it and leaves it running, for the next drain (the sizes added to bracket optima); leaving it ends them."""

@@ -228,17 +228,17 @@ def sweep_summary(con: duckdb.DuckDBPyConnection, sweep_id: str | None) -> dict[
 
 def _passes(con: duckdb.DuckDBPyConnection, sweep_id: str | None) -> dict[str, Any]:
     """How often the sweep's runs went over their corpus's training split: runs (with a status), recorded (those
-    that stored the split's size), least and most passes, runs of more than one, the split's fewest and most
-    tokens (None where nothing is recorded)."""
-    recorded = "corpus_tokens" in _columns_of(con, "runs")
-    passes = "tokens / corpus_tokens" if recorded else "NULL"
+    that stored the split's size; 0 where the store predates the column), least and most passes, runs of more than
+    one, the split's fewest and most tokens."""
+    keys = ("runs", "recorded", "least", "most", "repeated", "fewest_tokens", "most_tokens")
+    if "corpus_tokens" not in _columns_of(con, "runs"):
+        return dict.fromkeys(keys) | {"recorded": 0}
     row = con.execute(
-        f"SELECT count(*), count({passes}), min({passes}), max({passes}), count(*) FILTER ({passes} > 1),"
-        f" min({'corpus_tokens' if recorded else 'NULL'}), max({'corpus_tokens' if recorded else 'NULL'})"
-        " FROM runs WHERE sweep_id IS NOT DISTINCT FROM ? AND status IS NOT NULL",
+        "SELECT count(*), count(p), min(p), max(p), count(*) FILTER (p > 1), min(corpus_tokens), max(corpus_tokens)"
+        " FROM (SELECT tokens / corpus_tokens AS p, corpus_tokens FROM runs"
+        " WHERE sweep_id IS NOT DISTINCT FROM ? AND status IS NOT NULL)",
         [sweep_id],
     ).fetchone()
-    keys = ("runs", "recorded", "least", "most", "repeated", "fewest_tokens", "most_tokens")
     return dict(zip(keys, row, strict=True))
 
 

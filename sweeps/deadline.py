@@ -18,7 +18,7 @@ A prediction is the run's set-up, training and evaluation seconds, from the fini
 
 The finished runs' seconds per step hold their compilation and the runs that shared the device with them;
 ``MARGIN`` covers a run that trains up to a fifth slower than they did. One that trains with fewer beside it is
-over-priced (MoD d 768 alone in 92 s, predicted at 436 s from its shape's run beside three others; 2026-12-06) and
+over-priced (MoD d 768 alone in 92 s, predicted at 523 s from its shape's run beside three others; 2026-12-06) and
 waits for the next command rather than being cut off.
 """
 

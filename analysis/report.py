@@ -99,7 +99,9 @@ def _passes_line(p: Mapping[str, Any] | None) -> str:
     if not p or not p["recorded"]:
         return "- passes over the corpus: not recorded (the runs predate it)"
     size = f"{p['fewest_tokens']:,}" + (f"-{p['most_tokens']:,}" if p["most_tokens"] != p["fewest_tokens"] else "")
-    of = f" of the {p['recorded']} runs that recorded it" if p["recorded"] < p["runs"] else ""
+    of = f" of the {p['recorded']} runs whose split is known" if p["recorded"] < p["runs"] else ""
+    if p.get("inferred"):  # runs older than the column, sized by a run of the same corpus fingerprint
+        of += f" ({p['inferred']} sized by another run of the same corpus fingerprint)"
     line = f"- passes over the corpus's training split ({size} tokens): {p['least']:.3g}-{p['most']:.3g} per run{of}"
     if not p["repeated"]:
         return f"{line}; no run trained on more tokens than it holds"

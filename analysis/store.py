@@ -228,15 +228,19 @@ def sweep_summary(con: duckdb.DuckDBPyConnection, sweep_id: str | None) -> dict[
 
 def _passes(con: duckdb.DuckDBPyConnection, sweep_id: str | None) -> dict[str, Any]:
     """How often the sweep's runs went over their corpus's training split: runs (with a status), recorded (those
-    that stored the split's size; 0 where the store predates the column), least and most passes, runs of more than
-    one, the split's fewest and most tokens."""
-    keys = ("runs", "recorded", "least", "most", "repeated", "fewest_tokens", "most_tokens")
+    whose split's size is known: stored, or inferred from a run of the store with the same corpus fingerprint,
+    which identifies the tokens and the split; 0 where the store predates the column), inferred (of those), least
+    and most passes, runs of more than one, the split's fewest and most tokens."""
+    keys = ("runs", "recorded", "inferred", "least", "most", "repeated", "fewest_tokens", "most_tokens")
     if "corpus_tokens" not in _columns_of(con, "runs"):
-        return dict.fromkeys(keys) | {"recorded": 0}
+        return dict.fromkeys(keys) | {"recorded": 0, "inferred": 0}
     row = con.execute(
-        "SELECT count(*), count(p), min(p), max(p), count(*) FILTER (p > 1), min(corpus_tokens), max(corpus_tokens)"
-        " FROM (SELECT tokens / corpus_tokens AS p, corpus_tokens FROM runs"
-        " WHERE sweep_id IS NOT DISTINCT FROM ? AND status IS NOT NULL)",
+        "WITH sizes AS (SELECT corpus_fingerprint AS fp, max(corpus_tokens) AS n FROM runs"
+        " WHERE corpus_tokens IS NOT NULL GROUP BY 1)"
+        " SELECT count(*), count(p), count(*) FILTER (inferred), min(p), max(p), count(*) FILTER (p > 1), min(n),"
+        " max(n) FROM (SELECT r.tokens / n AS p, n, r.corpus_tokens IS NULL AND n IS NOT NULL AS inferred"
+        " FROM (SELECT r.*, coalesce(r.corpus_tokens, s.n) AS n FROM runs r LEFT JOIN sizes s"
+        " ON s.fp = r.corpus_fingerprint WHERE r.sweep_id IS NOT DISTINCT FROM ? AND r.status IS NOT NULL) r)",
         [sweep_id],
     ).fetchone()
     return dict(zip(keys, row, strict=True))

@@ -258,10 +258,13 @@ def test_redact_hides_url_passwords_only():
         ({"finished": 5, "passes": {"runs": 5, "recorded": 0, "least": None, "most": None, "repeated": 0,
                                     "fewest_tokens": None, "most_tokens": None}},
          ["- passes over the corpus: not recorded (the runs predate it)"]),
-        ({"finished": 5, "passes": {"runs": 5, "recorded": 3, "least": 0.25, "most": 19.5, "repeated": 2,
-                                    "fewest_tokens": 9_000_000, "most_tokens": 9_000_000}},
-         ["- passes over the corpus's training split (9,000,000 tokens): 0.25-19.5 per run of the 3 runs that"
-          " recorded it; **2 runs went over it more than once**: their held-out losses also measure memorising"]),
+        ({"finished": 5, "passes": {"runs": 5, "recorded": 3, "inferred": 0, "least": 0.25, "most": 19.5,
+                                    "repeated": 2, "fewest_tokens": 9_000_000, "most_tokens": 9_000_000}},
+         ["- passes over the corpus's training split (9,000,000 tokens): 0.25-19.5 per run of the 3 runs whose"
+          " split is known; **2 runs went over it more than once**: their held-out losses also measure memorising"]),
+        ({"finished": 5, "passes": {"runs": 5, "recorded": 5, "inferred": 2, "least": 0.5, "most": 3.0,
+                                    "repeated": 4, "fewest_tokens": 1000, "most_tokens": 1000}},
+         ["(1,000 tokens): 0.5-3 per run (2 sized by another run of the same corpus fingerprint); **4 runs"]),
         ({"finished": 2, "passes": {"runs": 2, "recorded": 2, "least": 0.01, "most": 0.5, "repeated": 0,
                                     "fewest_tokens": 100, "most_tokens": 200}},
          ["(100-200 tokens): 0.01-0.5 per run; no run trained on more tokens than it holds"]),
@@ -275,6 +278,19 @@ def test_report_header_says_how_complete_the_sweep_is(summary, needles):
     for needle in needles:
         assert needle in text, needle
     assert ("Partial sweep" in text) == (summary.get("planned", 0) > summary["finished"])
+
+
+def test_passes_size_a_run_without_its_split_by_a_run_of_the_same_corpus(tmp_path):
+    """A run stored before ``corpus_tokens`` existed takes the split's size of a run of the same corpus fingerprint
+    (which identifies tokens and split); a run of another corpus stays unsized."""
+    from analysis.store import sweep_summary
+
+    con = connect(tmp_path / "r.db")
+    base = {"sweep_id": "s1", "arch": "dense", "status": "ok"}
+    for run_id, fp, tokens, split in (("new", "a", 3000, 1000), ("old", "a", 500, None), ("other", "b", 9000, None)):
+        add_run(con, {**base, "run_id": run_id, "corpus_fingerprint": fp, "tokens": tokens, "corpus_tokens": split}, [])
+    p = sweep_summary(con, "s1")["passes"]
+    assert (p["runs"], p["recorded"], p["inferred"], p["least"], p["most"], p["repeated"]) == (3, 2, 1, 0.5, 3.0, 1)
 
 
 def test_series_fitted_in_processes_equal_those_fitted_here():

@@ -238,9 +238,9 @@ def _passes(con: duckdb.DuckDBPyConnection, sweep_id: str | None) -> dict[str, A
         "WITH sizes AS (SELECT corpus_fingerprint AS fp, max(corpus_tokens) AS n FROM runs"
         " WHERE corpus_tokens IS NOT NULL GROUP BY 1)"
         " SELECT count(*), count(p), count(*) FILTER (inferred), min(p), max(p), count(*) FILTER (p > 1), min(n),"
-        " max(n) FROM (SELECT r.tokens / n AS p, n, r.corpus_tokens IS NULL AND n IS NOT NULL AS inferred"
-        " FROM (SELECT r.*, coalesce(r.corpus_tokens, s.n) AS n FROM runs r LEFT JOIN sizes s"
-        " ON s.fp = r.corpus_fingerprint WHERE r.sweep_id IS NOT DISTINCT FROM ? AND r.status IS NOT NULL) r)",
+        " max(n) FROM (SELECT r.tokens / coalesce(r.corpus_tokens, s.n) AS p, coalesce(r.corpus_tokens, s.n) AS n,"
+        " r.corpus_tokens IS NULL AND s.n IS NOT NULL AS inferred FROM runs r LEFT JOIN sizes s"
+        " ON s.fp = r.corpus_fingerprint WHERE r.sweep_id IS NOT DISTINCT FROM ? AND r.status IS NOT NULL)",
         [sweep_id],
     ).fetchone()
     return dict(zip(keys, row, strict=True))

@@ -13,6 +13,10 @@ Candidates extend the edge's shape (the smallest or largest sampled one): its la
 steps of 2 * n_heads (even head widths, for RoPE) out to half or twice the edge's d_model, each a shape the family
 accepts, not the dense model (``same_as_dense``), training at least ``sweep.min_steps`` steps, and not run before
 (``sweep.max_steps`` bounds only the plan: a smaller size the losses ask for is added however long it trains).
+Where the parabola has a vertex, they reach no further than the first candidate at or beyond it: that size brackets
+the vertex if the fit holds; a farther one adds a point where a parabola in ln N holds least and, on the larger side,
+needs more memory and trains fewer steps (if the refit moves the vertex further out, the next round goes on from the
+new edge).
 
 Deterministic and resumable: the proposal study lives in memory, rebuilt from the database's rows (the record)
 each time, its sampler seeded by the sweep, the arch, the budget and how many sizes were added there before; a size
@@ -70,9 +74,10 @@ def stored(con: duckdb.DuckDBPyConnection, sid: str) -> dict[tuple[str, float], 
     return out
 
 
-def side(runs: list[Sized], budget: float) -> tuple[str | None, str]:
-    """Where the optimum of one (arch, budget) lies against its finished runs: ``(INSIDE | SMALLER | LARGER, why)``,
-    or ``(None, why)`` when fewer than 2 sizes finished ok."""
+def side(runs: list[Sized], budget: float) -> tuple[str | None, str, float | None]:
+    """Where the optimum of one (arch, budget) lies against its finished runs: ``(INSIDE | SMALLER | LARGER, why,
+    vertex)``, the vertex N where the parabola has a minimum (else None), or ``(None, why, None)`` when fewer than 2
+    sizes finished ok."""
     from analysis.isoflop import fit_parabola
 
     ok = [r for r in runs if r.loss is not None]
@@ -80,22 +85,22 @@ def side(runs: list[Sized], budget: float) -> tuple[str | None, str]:
     for r in ok:
         by_n.setdefault(r.n, []).append(r.loss)
     if not by_n:
-        return None, "no run finished with a loss to fit"
+        return None, "no run finished with a loss to fit", None
     if len(by_n) == 1:
-        return None, "one size: no side to add sizes on"
+        return None, "one size: no side to add sizes on", None
     mean = {n: sum(v) / len(v) for n, v in by_n.items()}
     lo, hi = min(mean), max(mean)
     toward = SMALLER if mean[lo] < mean[hi] else LARGER  # the end the loss falls toward
     if len(mean) == 2:
-        return toward, "2 sizes, too few for a parabola"
+        return toward, "2 sizes, too few for a parabola", None
     fit = fit_parabola([r.n for r in ok], [r.loss for r in ok], budget, [r.tokens for r in ok])
     if fit.vertex_inside:
-        return INSIDE, f"vertex N={fit.n_opt:,.0f} inside [{lo:,}, {hi:,}]"
+        return INSIDE, f"vertex N={fit.n_opt:,.0f} inside [{lo:,}, {hi:,}]", fit.n_opt
     if fit.curvature <= 0:
-        return toward, f"no minimum (curvature {fit.curvature:.3g}), the loss falls toward the {toward} sizes"
+        return toward, f"no minimum (curvature {fit.curvature:.3g}), the loss falls toward the {toward} sizes", None
     if fit.n_opt < fit.n_min:
-        return SMALLER, f"vertex N={fit.n_opt:,.0f} below the smallest size {lo:,}"
-    return LARGER, f"vertex N={fit.n_opt:,.0f} above the largest size {hi:,}"
+        return SMALLER, f"vertex N={fit.n_opt:,.0f} below the smallest size {lo:,}", fit.n_opt
+    return LARGER, f"vertex N={fit.n_opt:,.0f} above the largest size {hi:,}", fit.n_opt
 
 
 def candidates(lab: LabConfig, sid: str, arch: str, budget: float, edge: Shape, where: str) -> list[Trial]:
@@ -121,7 +126,15 @@ def candidates(lab: LabConfig, sid: str, arch: str, budget: float, edge: Shape, 
 
 
 def propose(
-    lab: LabConfig, sid: str, arch: str, budget: float, runs: list[Sized], where: str, taken: set[str], k: int
+    lab: LabConfig,
+    sid: str,
+    arch: str,
+    budget: float,
+    runs: list[Sized],
+    where: str,
+    taken: set[str],
+    k: int,
+    vertex: float | None = None,
 ) -> tuple[Trial, float] | None:
     """The next size of one (arch, budget) on side ``where``, and the N Optuna proposed; None when no candidate is
     left.
@@ -134,10 +147,14 @@ def propose(
         where: ``SMALLER`` or ``LARGER`` (``side``).
         taken: run ids that exist already, stored or queued (none is proposed again).
         k: sizes added at this (arch, budget) so far (the sampler's seed depends on it).
+        vertex: the parabola's vertex N (``side``), if it has one: no candidate beyond the first at or past it.
     """
     ok = [r for r in runs if r.loss is not None]
     edge = (min if where == SMALLER else max)(ok, key=lambda r: r.n).shape
     cands = [t for t in candidates(lab, sid, arch, budget, edge, where) if t.run_id not in taken]
+    if vertex is not None:
+        past = [i for i, t in enumerate(cands) if (t.params["nonembed"] - vertex) * (1 if where == LARGER else -1) >= 0]
+        cands = cands[: past[0] + 1] if past else cands
     if not cands:
         return None
     logs = [math.log(t.params["nonembed"]) for t in cands]
@@ -182,7 +199,7 @@ def next_sizes(
                 continue
             rows = by_key.get((arch, budget), [])
             have = {r.run_id for r in rows}
-            where, why = side(rows, budget)
+            where, why, vertex = side(rows, budget)
             if where not in (SMALLER, LARGER) or held.get((arch, budget), set()) - have:
                 continue
             label = f"{arch} C={budget:.2e}"
@@ -190,7 +207,7 @@ def next_sizes(
             if k >= s.max_extra:
                 left.append(f"{label}: {why}; {k} size{'s' * (k != 1)} added (sweep.max_extra={s.max_extra})")
                 continue
-            got = propose(lab, sid, arch, budget, rows, where, taken, k)
+            got = propose(lab, sid, arch, budget, rows, where, taken, k, vertex)
             if got is None:
                 left.append(f"{label}: {why}; no {where} shape left to try (sweep.min_steps, the family's shapes)")
                 continue

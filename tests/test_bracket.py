@@ -111,6 +111,26 @@ def test_optuna_proposes_a_new_size_beyond_the_edge_deterministically():
     assert bracket.propose(lab, sid, "dense", 1e9, runs, bracket.SMALLER, taken, 0) is None
 
 
+def test_proposals_reach_no_further_than_the_first_size_past_the_vertex():
+    lab = load_config(CONF, "isoflop", TINY[1:] + ["sweep.budgets=[1e9]", ladder(16, 24, 32)])
+    sid = sweep_id(lab, "isoflop")
+    grid, _ = plan(lab, sid)
+    cands = bracket.candidates(lab, sid, "dense", 1e9, Shape(32, 1, 2, 2), bracket.LARGER)
+    n = [t.params["nonembed"] for t in cands]
+    n_opt = math.sqrt(n[0] * n[1])  # the vertex lies between the first two larger candidates
+    runs = curve([t.params["nonembed"] for t in grid], n_opt)
+    runs = [bracket.Sized(t.run_id, t.shape, r.n, t.tokens, r.loss) for t, r in zip(grid, runs, strict=True)]
+    where, _, vertex = bracket.side(runs, 1e9)
+    assert where == bracket.LARGER and vertex == pytest.approx(n_opt, rel=1e-6)
+    capped = {bracket.propose(lab, sid, "dense", 1e9, runs, where, set(), k, vertex)[0].run_id for k in range(8)}
+    assert capped <= {cands[0].run_id, cands[1].run_id}
+    free = {bracket.propose(lab, sid, "dense", 1e9, runs, where, set(), k)[0].run_id for k in range(8)}
+    assert free - {cands[0].run_id, cands[1].run_id}  # without the vertex TPE reaches wider sizes
+    # taken sizes move the reach on to the first untaken one past the vertex
+    taken = {cands[0].run_id, cands[1].run_id}
+    assert bracket.propose(lab, sid, "dense", 1e9, runs, where, taken, 0, vertex)[0].run_id == cands[2].run_id
+
+
 # --- whole sweeps: real training, a kill -9 and a SIGTERM on the way ---
 
 TOO_LARGE = [*TINY, "sweep.budgets=[5e8]", ladder(16, 24, 32), "sweep.max_extra=2"]  # the loss falls toward d=16
@@ -251,7 +271,8 @@ def test_sizes_are_added_while_the_rest_of_the_grid_still_trains(tmp_path, cli_e
     started = [ln for ln in lines if ln.startswith("[") and " dense C=" in ln]
     assert [ln.split(" d_model")[0].split("] ")[1] for ln in started[:4]] == ["dense C=5.00e+08"] * 4, started
     assert at["bracket dense C=5.00e+08"] < at["dense C=2.00e+08 "], r.stdout
-    assert "d_model=8 " in started[3], started  # the added size, fourth, before any run of 2e8
+    added = lines[at["bracket dense C=5.00e+08"]].split("adding ")[1].split(" layers")[0]
+    assert f"{added} " in started[3], (added, started)  # the added size, fourth, before any run of 2e8
 
 
 def test_trials_show_what_they_are_and_the_sweep_its_provenance(sweeps):

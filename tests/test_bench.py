@@ -1,9 +1,11 @@
 """``python -m mixdepth.bench mfu``'s ratios: each arch against the first trained the same way, and each way against
-the arch's first."""
+the arch's first; its loss cells."""
+
+from types import SimpleNamespace
 
 import pytest
 
-from mixdepth.bench import speed_ratios
+from mixdepth.bench import loss_cells, speed_ratios
 
 
 def test_speed_ratios_compare_archs_trained_the_same_way():
@@ -17,3 +19,9 @@ def test_speed_ratios_compare_archs_trained_the_same_way():
 def test_speed_ratios_of_one_arch_on_more_devices_are_against_one_device():
     got = speed_ratios([("dense", " x1 auto", 100.0), ("dense", " x2 ddp", 190.0)])
     assert got == [pytest.approx((1.0, 1.0)), pytest.approx((1.0, 1.9))]
+
+
+def test_loss_cells_of_a_diverged_run_say_so():
+    """A diverged run's losses are NULL: its row says "diverged" (the table printed up to it, then failed, before)."""
+    assert loss_cells(SimpleNamespace(status="diverged", val_loss=None, train_loss=None)) == "diverged | diverged"
+    assert loss_cells(SimpleNamespace(status="ok", val_loss=5.54631, train_loss=5.5458)) == "5.5463 | 5.5458"

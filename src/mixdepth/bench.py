@@ -39,6 +39,7 @@ from mixdepth.lit import LitLM, LMDataModule
 from mixdepth.models import MODELS
 from mixdepth.models.dense import DenseConfig, DenseLM
 from mixdepth.profiling import StepWindowProfile, kernel_time
+from mixdepth.results import RunMetrics
 from mixdepth.throughput import cadence
 from mixdepth.train import RunConfig, _quiet, fit, make_trainer, resolve_device
 
@@ -175,9 +176,15 @@ def bench_mfu(args) -> None:
         memory = "n/a" if res.peak_memory_gib is None else f"{res.peak_memory_gib:.2f}"
         print(
             f"| {arch}{label} | {model.n_params()['total']:,} | {model.flops_per_token():.4g} |"
-            f" {res.tokens_per_s:,.0f} | {mfu} | {vs_arch:.3f}x | {vs_way:.3f}x | {memory} | {res.val_loss:.4f} |"
-            f" {res.train_loss:.4f} | {res.wall_s:.1f} |"
+            f" {res.tokens_per_s:,.0f} | {mfu} | {vs_arch:.3f}x | {vs_way:.3f}x | {memory} | {loss_cells(res)} |"
+            f" {res.wall_s:.1f} |"
         )
+
+
+def loss_cells(res: RunMetrics) -> str:
+    """A row's val loss and train loss cells: "diverged" for a run whose losses are NULL (a loss not finite, or the
+    training loss blew up; a speed benchmark's synthetic tokens at its learning rate can do that to routed models)."""
+    return "diverged | diverged" if res.status == "diverged" else f"{res.val_loss:.4f} | {res.train_loss:.4f}"
 
 
 def speed_ratios(rows: list[tuple[str, str, float]]) -> list[tuple[float, float]]:

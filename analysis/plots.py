@@ -368,7 +368,11 @@ def plot_mod_normalized(
 def plot_curves(
     curves: pd.DataFrame, out: str | os.PathLike, *, x_col: str = "tokens", loss_col: str = "train_loss"
 ) -> Path:
-    """Training curves: training loss against tokens seen (log x), one panel per budget, one line per run.
+    """Training curves: the training objective against tokens seen (log x), one panel per budget, one line per run.
+
+    The objective is the LM loss plus, in MoD and MoDE, their router, predictor and MoE aux losses, so their curves
+    sit above their LM loss by those (MoD's predictor BCE starts near ln 2 and falls as the predictor learns):
+    families compare on held-out loss, not here.
 
     Colour is the arch's (``series_color``), a lighter shade for a smaller model; a diverged run is dotted.
 
@@ -400,7 +404,7 @@ def plot_curves(
         _log_x(ax)
         ax.set_title(_budget_label(b))
         ax.set_xlabel("tokens seen" if x_col == "tokens" else "training FLOPs")
-        ax.set_ylabel("training loss (nats)")
+        ax.set_ylabel("training objective (nats)")
     handles = [Line2D([], [], color=series_color(a), label=a) for a in sorted(set(df["arch"]))]
     fig.legend(handles=handles, loc="outside right upper", title="arch (lighter: smaller N)", fontsize="small")
     return _save(fig, out)

@@ -169,7 +169,7 @@ def bench_mfu(args) -> None:
     )
     ratios = speed_ratios([(arch, label, res.tokens_per_s) for arch, label, _, res in rows])
     print("| arch | params | fwd FLOPs/token | tokens/s | MFU (peak FLOP/s) | speed vs first arch, same way |"
-          " speed vs its first way | peak GiB | val loss | train loss | wall s |")  # fmt: skip
+          " speed vs its first way | peak GiB | val loss | train objective | wall s |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for (arch, label, model, res), (vs_arch, vs_way) in zip(rows, ratios, strict=True):
         mfu = f"{res.mfu:.1%} ({res.peak_flops:.4g})" if res.mfu else "n/a (no known peak)"
@@ -182,8 +182,9 @@ def bench_mfu(args) -> None:
 
 
 def loss_cells(res: RunMetrics) -> str:
-    """A row's val loss and train loss cells: "diverged" for a run whose losses are NULL (a loss not finite, or the
-    training loss blew up; a speed benchmark's synthetic tokens at its learning rate can do that to routed models)."""
+    """A row's val loss and train objective cells (the LM loss; MoD's adds its router's and predictor's BCE):
+    "diverged" for a run whose losses are NULL (a loss not finite, or the training objective blew up; a speed
+    benchmark's synthetic tokens at its learning rate can do that to routed models)."""
     return "diverged | diverged" if res.status == "diverged" else f"{res.val_loss:.4f} | {res.train_loss:.4f}"
 
 

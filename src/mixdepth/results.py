@@ -46,7 +46,7 @@ class RunMetrics:
     status: Varchar  # ok | diverged (a loss not finite, or the training loss blew up: then every loss is NULL)
     val_loss: Double | None  # held-out mean token loss (nats)
     val_loss_causal: Double | None  # routed archs: loss under causal routing; NULL otherwise
-    train_loss: Double | None  # mean loss over the last logged steps
+    train_loss: Double | None  # mean training objective over the last logged steps (MoD, MoDE: LM + aux losses)
     wall_s: Double  # training (fit) seconds, over every process the run trained in; compilation included
     tokens_per_s: Double  # steady state: the ThroughputMonitor's window of the last steps (else tokens / wall_s)
     mfu: Double | None  # model FLOPs utilisation against peak_flops; NULL when no peak is known

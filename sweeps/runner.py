@@ -377,7 +377,7 @@ def _run(
             [sid],
         ).fetchone()
     if n_div:
-        why = f"a loss not finite, or the training loss above {results.BLOW_UP:g} x its first"
+        why = f"a loss not finite, or the training objective above {results.BLOW_UP:g} x its first"
         print(f"{n_div} of {n_div + n_ok} runs diverged ({why}): stored with NULL losses, not fitted")
     if not n_ok:
         print(

@@ -182,7 +182,7 @@ def bench_mfu(args) -> None:
 
 
 def loss_cells(res: RunMetrics) -> str:
-    """A row's val loss and train objective cells (the LM loss; MoD's adds its router's and predictor's BCE):
+    """A row's val loss (the LM loss) and train objective (MoD's adds its router's and predictor's BCE) cells;
     "diverged" for a run whose losses are NULL (a loss not finite, or the training objective blew up; a speed
     benchmark's synthetic tokens at its learning rate can do that to routed models)."""
     return "diverged | diverged" if res.status == "diverged" else f"{res.val_loss:.4f} | {res.train_loss:.4f}"

@@ -27,7 +27,7 @@ from typing import Annotated, Any, get_args, get_type_hints
 import duckdb
 
 SCHEMA_VERSION = 2  # 2: a run that blew up (``blew_up``) is diverged; a version 1 store's runs are judged on opening
-BLOW_UP = 2.0  # a training loss above this many times the first step's (the model at initialisation) blew up
+BLOW_UP = 2.0  # a training objective above this many times the first step's (the model at initialisation) blew up
 LOCK_WAIT_S = 10.0  # how long an open waits out another process's DuckDB file lock
 
 # Column types: each record field's annotation names its DuckDB type (NULL allowed where it says `| None`).
@@ -43,7 +43,7 @@ Json = Annotated[Any, "JSON"]  # dicts and lists, stored as sorted-key JSON text
 class RunMetrics:
     """What one training run measured (``train.fit`` returns it); stored in ``runs`` in this field order."""
 
-    status: Varchar  # ok | diverged (a loss not finite, or the training loss blew up: then every loss is NULL)
+    status: Varchar  # ok | diverged (a loss not finite, or the training objective blew up: then every loss NULL)
     val_loss: Double | None  # held-out mean token loss (nats)
     val_loss_causal: Double | None  # routed archs: loss under causal routing; NULL otherwise
     train_loss: Double | None  # mean training objective over the last logged steps (MoD, MoDE: LM + aux losses)

@@ -69,7 +69,8 @@ def assert_same_run(got: dict, want: dict) -> None:
     for g, w in zip(got["curve"], want["curve"], strict=True):
         assert g["lr"] == w["lr"]
         assert g["train_loss"] == pytest.approx(w["train_loss"], rel=REL), g["step"]
-    for key in ("val_loss", "val_loss_causal", "train_loss"):
+        assert g["lm_loss"] == pytest.approx(w["lm_loss"], rel=REL), g["step"]
+    for key in ("val_loss", "val_loss_causal", "train_loss", "train_lm_loss"):
         assert (got[key] is None) == (want[key] is None), key
         if want[key] is not None:
             assert got[key] == pytest.approx(want[key], rel=REL), key
@@ -81,7 +82,8 @@ def assert_same_run(got: dict, want: dict) -> None:
 
 def as_dict(result) -> dict:
     m = result.metrics
-    keep = ("val_loss", "val_loss_causal", "train_loss", "routing_stats", "tokens_per_s", "mfu", "device")
+    losses = ("val_loss", "val_loss_causal", "train_loss", "train_lm_loss")
+    keep = (*losses, "routing_stats", "tokens_per_s", "mfu", "device")
     return {**{k: getattr(m, k) for k in keep}, "curve": result.curve}
 
 

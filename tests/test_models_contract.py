@@ -235,6 +235,36 @@ def test_training_steps(arch, kw):
 
 
 @pytest.mark.parametrize("arch,kw", CASES, ids=ids(CASES))
+def test_loss_terms_are_the_objective_and_the_plain_lm_loss(arch, kw):
+    """``loss_terms``: its objective is ``loss``'s, bit for bit, and its LM loss the mean next-token cross-entropy of
+    the same pass, checked against the unfused cross-entropy of the logits and against the held-out statistics
+    (eval_sums' loss_sum / tokens). Both routed references run the training routing (top-k, ``route_mode``'s default;
+    the pass eval_sums makes first), so they see the tokens the objective's pass routed; random routing draws the same
+    scores for each call (same seed); the module's train/eval flag changes nothing (no dropout, no batch statistics), so
+    all four calls run in train mode as training does. The aux losses are positive in top-k mode: a routed family's
+    objective lies above its LM loss; in causal mode, and in a family without aux losses, the two are one value."""
+    model = build(arch, kw)
+    x = tokens(model, 2, model.cfg.seq_len + 1)
+    x, y = x[:, :-1], x[:, 1:]
+
+    def seeded(f, *args):
+        torch.manual_seed(0)
+        return f(*args)
+
+    loss, (objective, lm) = seeded(model.loss, x, y), seeded(model.loss_terms, x, y)
+    logits, sums = seeded(model, x), seeded(model.eval_sums, x, y)  # [B, T, V], held-out sums
+    torch.testing.assert_close(objective, loss, rtol=0, atol=0)
+    plain = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+    torch.testing.assert_close(lm, plain, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lm, sums["loss_sum"] / sums["tokens"], rtol=1e-6, atol=0)
+    if hasattr(model, "with_aux_losses"):
+        assert objective > lm + 1e-4, (objective, lm)
+        torch.manual_seed(0)
+        objective, lm = causal(model).loss_terms(x, y)
+    torch.testing.assert_close(objective, lm, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("arch,kw", CASES, ids=ids(CASES))
 def test_residual_stream_in_autocast_dtype(arch, kw):
     """``residual='autocast'``: under autocast (bf16 on a GPU, fp16 on the CPU, whose interpreted kernels have no
     bf16) the stream reaches the head in autocast's dtype (post-norm, MoE and gated outputs included), where the

@@ -1,7 +1,8 @@
 """``train.graph_step``: the step's forward, backward and clipping as one CUDA graph (mixdepth.graphs.StepGraph).
 
-GPU: every family's steps replayed from the graph equal the eager steps (losses and the parameters after each
-AdamW update, in fp32 and under bf16 autocast), and ``train.fit`` with it trains the run the eager trainer trains.
+GPU: every family's steps replayed from the graph equal the eager steps (objective and LM loss, and the parameters
+after each AdamW update, in fp32 and under bf16 autocast), and ``train.fit`` with it trains the run the eager trainer
+trains.
 CPU: the configs it cannot capture are refused in one line before anything trains.
 """
 
@@ -23,7 +24,8 @@ STEPS = 8  # 3 eager warm-up steps, the capture, 4 more replays
 
 
 def train_steps(arch: str, kw: dict, graphed: bool, bf16: bool):
-    """STEPS steps of AdamW on fresh batches, the gradients from a StepGraph or eagerly: (losses, parameters)."""
+    """STEPS steps of AdamW on fresh batches, the gradients from a StepGraph or eagerly: (losses [STEPS, 2], the
+    objective and the LM loss of each step, parameters)."""
     model = build(arch, kw).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     graph = StepGraph(model, grad_clip=0.5) if graphed else None
@@ -32,13 +34,13 @@ def train_steps(arch: str, kw: dict, graphed: bool, bf16: bool):
         x = tokens(model, 3, BASE["seq_len"] + 1, seed=i).cuda()
         with torch.autocast("cuda", torch.bfloat16, enabled=bf16):
             if graph is not None:
-                loss = graph.step(x[:, :-1], x[:, 1:])
+                loss, lm = graph.step(x[:, :-1], x[:, 1:])
             else:
                 model.zero_grad(set_to_none=True)
-                loss = model.loss(x[:, :-1], x[:, 1:])
+                loss, lm = model.loss_terms(x[:, :-1], x[:, 1:])
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        losses.append(loss.float().item())
+        losses.append([loss.float().item(), lm.float().item()])
         opt.step()
     return torch.tensor(losses), {n: p.detach().clone() for n, p in model.named_parameters()}
 
@@ -47,8 +49,8 @@ def train_steps(arch: str, kw: dict, graphed: bool, bf16: bool):
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(("arch", "kw"), CASES, ids=[f"{a}-{'-'.join(map(str, k.values()))}" for a, k in CASES])
 def test_replayed_steps_equal_eager_steps_gpu(arch, kw, bf16):
-    """The replays run the kernels the eager steps run, on the same inputs: losses and every parameter after the
-    updates agree to rounding (the gradients reach the optimizer through .grad, clipped inside the graph)."""
+    """The replays run the kernels the eager steps run, on the same inputs: both loss terms and every parameter after
+    the updates agree to rounding (the gradients reach the optimizer through .grad, clipped inside the graph)."""
     kw = {**kw, "attn_impl": kw.get("attn_impl", "sdpa")}
     want_loss, want = train_steps(arch, kw, graphed=False, bf16=bf16)
     got_loss, got = train_steps(arch, kw, graphed=True, bf16=bf16)
@@ -61,8 +63,8 @@ def test_replayed_steps_equal_eager_steps_gpu(arch, kw, bf16):
 @GPU
 @pytest.mark.parametrize("arch", list(MODELS))
 def test_fit_with_graph_step_trains_the_eager_run_gpu(arch, tmp_path):
-    """Through train.fit (Lightning's manual optimization, bf16, compiled per block): the curve and the held-out
-    loss of the run trained with the step graph are the eager trainer's."""
+    """Through train.fit (Lightning's manual optimization, bf16, compiled per block): the curve (objective and LM
+    loss) and the held-out loss of the run trained with the step graph are the eager trainer's."""
     model = MODELS[arch][0](arch=arch, d_model=64, n_layers=4, n_heads=2, n_kv_heads=2, seq_len=64, vocab_size=256)
     data = DataConfig(max_bytes=300_000, val_tokens=4096, seq_len=64)
     base = dict(batch_size=8, accelerator="gpu", compile=True, compile_scope="block", log_every=5, progress=False)
@@ -70,11 +72,11 @@ def test_fit_with_graph_step_trains_the_eager_run_gpu(arch, tmp_path):
     (eager, graphed) = runs
     assert [p["step"] for p in graphed.curve] == [p["step"] for p in eager.curve] == [1, 5, 10, 15, 20, 25, 30]
     assert [p["lr"] for p in graphed.curve] == [p["lr"] for p in eager.curve]
-    got = torch.tensor([p["train_loss"] for p in graphed.curve])
-    want = torch.tensor([p["train_loss"] for p in eager.curve])
+    got = torch.tensor([[p["train_loss"], p["lm_loss"]] for p in graphed.curve])  # [points, 2]
+    want = torch.tensor([[p["train_loss"], p["lm_loss"]] for p in eager.curve])
     torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
     assert graphed.metrics.val_loss == pytest.approx(eager.metrics.val_loss, abs=2e-3)
-    assert want[-1] < want[0] - 0.5  # it learned: the comparison is not of two untrained models
+    assert want[-1, 0] < want[0, 0] - 0.5  # it learned: the comparison is not of two untrained models
 
 
 @GPU

@@ -29,6 +29,7 @@ SCHEMA_V1 = [
     ("routing_stats", "JSON", None),
     *((c, "DOUBLE", None) for c in ("setup_s", "eval_s", "peak_memory_gib")),
     ("corpus_tokens", "BIGINT", None),
+    ("train_lm_loss", "DOUBLE", None),
     ("config", "JSON", None),
     ("created_at", "TIMESTAMP", None),
 ]
@@ -86,7 +87,7 @@ def test_runs_table_is_the_record(tmp_path):
     assert described == from_record == SCHEMA_V1
     assert list(record().row()) == list(results.RUN_COLUMNS)[:-1]  # all but created_at, which the store stamps
     metric_cols = [f.name for f in dataclasses.fields(results.RunMetrics)]
-    assert list(results.RUN_COLUMNS)[22:40] == metric_cols  # the measured columns sit where the record puts them
+    assert list(results.RUN_COLUMNS)[22:41] == metric_cols  # the measured columns sit where the record puts them
 
 
 def test_record_round_trips_and_replaces(tmp_path):
@@ -132,6 +133,33 @@ def test_a_metric_added_later_reaches_an_older_database(tmp_path):
     results.add_run(con, record("new", mfu=0.41), [])
     rows = con.execute("SELECT run_id, mfu, val_loss FROM runs ORDER BY run_id").fetchall()
     assert rows == [("new", 0.41, 2.5), ("old", None, 2.5)]
+
+
+def test_an_older_database_gains_the_lm_loss_columns(tmp_path):
+    """A store made before curves recorded the LM loss beside the objective: connect gives ``curves`` its lm_loss and
+    ``runs`` its train_lm_loss (NULL for what was stored before), after the columns they had; new runs store both,
+    and a curve point without lm_loss (restored from an older checkpoint) stores NULL."""
+    path = tmp_path / "r.db"
+    con = results.connect(path)
+    results.add_run(con, record("old"), _curve(3.0, 2.0))
+    con.execute("ALTER TABLE curves DROP COLUMN lm_loss")  # the tables as made before the LM loss was recorded
+    con.execute("ALTER TABLE runs DROP COLUMN train_lm_loss")
+    con.close()
+    con = results.connect(path)
+    assert [r[0] for r in con.execute("DESCRIBE curves").fetchall()] == [*results.CURVE_COLUMNS]
+    assert [r[0] for r in con.execute("DESCRIBE runs").fetchall()][-2:] == ["created_at", "train_lm_loss"]
+    curve = [{**p, "lm_loss": v - 0.5} for p, v in zip(_curve(3.0, 2.0), (3.0, 2.0), strict=True)]
+    results.add_run(con, record("new", train_lm_loss=1.5), [_curve(4.0)[0], *curve[1:]])
+    assert con.execute("SELECT run_id, train_loss, train_lm_loss FROM runs ORDER BY 1").fetchall() == [
+        ("new", 2.4, 1.5),
+        ("old", 2.4, None),
+    ]
+    assert con.execute("SELECT run_id, step, train_loss, lm_loss FROM curves ORDER BY 1, 2").fetchall() == [
+        ("new", 1, 4.0, None),
+        ("new", 2, 2.0, 1.5),
+        ("old", 1, 3.0, None),
+        ("old", 2, 2.0, None),
+    ]
 
 
 def test_sweeps_carry_their_provenance_also_in_an_older_database(tmp_path):

@@ -13,16 +13,18 @@ from torch import nn
 
 
 class StepGraph:
-    """``step(x, y)``: the gradients of ``model.loss(x, y)`` in the parameters' ``.grad``, their norm clipped to
-    ``grad_clip`` (0: not clipped); returns the loss, a buffer that the next step overwrites."""
+    """``step(x, y)``: the gradients of the training objective (``model.loss_terms(x, y)``'s first) in the parameters'
+    ``.grad``, their norm clipped to ``grad_clip`` (0: not clipped); returns (objective, LM loss), buffers that the
+    next step overwrites."""
 
     def __init__(self, model: nn.Module, grad_clip: float, warmup: int = 3) -> None:
         self.model, self.grad_clip, self.warmup = model, grad_clip, warmup
         self.graph: torch.cuda.CUDAGraph | None = None
         self.eager_steps = 0
-        self.x = self.y = self.loss = torch.empty(0)  # the graph's inputs (from the first step on) and its loss
+        self.x = self.y = torch.empty(0)  # the graph's inputs (from the first step on)
+        self.terms = (torch.empty(0), torch.empty(0))  # its outputs: the objective and the LM loss
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.eager_steps == 0:  # warm-up and capture see the same input tensors: no recompile while capturing
             self.x, self.y = torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(y)
         self.x.copy_(x, non_blocking=True)
@@ -33,22 +35,22 @@ class StepGraph:
             side = torch.cuda.Stream()  # warm-up off the capture's stream, as torch.cuda.graph asks
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                loss = self._forward_backward()
+                terms = self._forward_backward()
             torch.cuda.current_stream().wait_stream(side)
-            return loss
+            return terms
         if self.graph is None:
             self.model.zero_grad(set_to_none=True)  # the captured backward allocates .grad in the graph's pool
             self.graph = torch.cuda.CUDAGraph()
             # under the caller's autocast as the warm-up was (a setting of its own would compile again); its cache
             # of cast weights lives for one step's context, so the capture casts the weights itself
             with torch.cuda.graph(self.graph):
-                self.loss = self._forward_backward()
+                self.terms = self._forward_backward()
         self.graph.replay()
-        return self.loss
+        return self.terms
 
-    def _forward_backward(self) -> torch.Tensor:
-        loss = self.model.loss(self.x, self.y)
+    def _forward_backward(self) -> tuple[torch.Tensor, torch.Tensor]:
+        loss, lm = self.model.loss_terms(self.x, self.y)
         loss.backward()
         if self.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-        return loss.detach()
+        return loss.detach(), lm.detach()

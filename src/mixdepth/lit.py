@@ -33,7 +33,8 @@ def lr_lambda(step: int, total: int, warmup: int, min_ratio: float) -> float:
 
 
 class LitLM(L.LightningModule):
-    """Wraps an LM exposing ``loss(x, y)``; records a training curve every ``log_every`` steps.
+    """Wraps an LM exposing ``loss_terms(x, y)``; trains its objective and records a training curve (the objective
+    and the LM loss) every ``log_every`` steps.
 
     With ``train.graph_step`` the step's forward, backward and clipping replay one CUDA graph (``StepGraph``) and
     the optimizer and schedule step here (Lightning's manual optimization); otherwise Lightning runs them.
@@ -59,15 +60,17 @@ class LitLM(L.LightningModule):
         x, y = batch  # [B, T], [B, T]
         step = self.global_step + 1
         if self.step_graph is not None:
-            loss = self.step_graph.step(x, y)  # a buffer of the graph: read below, not returned to Lightning
+            loss, lm_loss = self.step_graph.step(x, y)  # buffers of the graph: read below, not returned to Lightning
         else:
             graphs = self._begin_graph_step()
-            loss = self.model.loss(x, y)
-            if graphs:
-                loss = loss.clone()  # the graph's output buffer is overwritten by the next replay; Lightning keeps it
+            loss, lm_loss = self.model.loss_terms(x, y)  # the objective and the LM loss in it, of one forward
+            if graphs:  # the graph's output buffers are overwritten by the next replay; Lightning keeps the loss
+                loss, lm_loss = loss.clone(), lm_loss.clone()
         if step % self.cfg.log_every == 0 or step == self.max_steps or step == 1:
-            # the global batch's mean loss: ranks hold equal token counts, so the mean of their means
-            value = self.trainer.strategy.reduce(loss.detach().float(), reduce_op="mean").item()
+            # the global batch's mean losses: ranks hold equal token counts, so the mean of their means; both in one
+            # reduction and one device sync
+            terms = torch.stack([loss.detach(), lm_loss.detach()]).float()  # [2]
+            value, lm = self.trainer.strategy.reduce(terms, reduce_op="mean").tolist()
             world = self.trainer.world_size
             lr = self.lr_schedulers().get_last_lr()[0]
             self.curve.append(
@@ -76,13 +79,14 @@ class LitLM(L.LightningModule):
                     "tokens": step * x.numel() * world,
                     "flops": step * self.flops_per_batch * world,
                     "train_loss": value,
+                    "lm_loss": lm,
                     "lr": lr,
                 }
             )
             # a host tensor: Lightning reads its progress-bar values (.item()) after every later batch, and one on the
             # GPU would make that a device sync per step (the host could not queue a step ahead of the GPU)
             self.log("loss", torch.tensor(value), prog_bar=True, on_step=True, logger=False)
-            self._to_loggers({"train_loss": value, "lr": lr}, step)
+            self._to_loggers({"train_loss": value, "train_lm_loss": lm, "lr": lr}, step)
         if self.step_graph is not None:  # after the curve point: it reads this step's lr and step count
             self.optimizers().step()
             self.lr_schedulers().step()

@@ -61,6 +61,7 @@ class RunMetrics:
     eval_s: Double | None = None  # seconds after training: final checkpoint and the held-out evaluation
     peak_memory_gib: Double | None = None  # most GPU memory for tensors in training, any rank (last process); CPU: NULL
     corpus_tokens: BigInt | None = None  # tokens in the corpus's training split; tokens / corpus_tokens: passes
+    train_lm_loss: Double | None = None  # the LM loss (no aux losses) over train_loss's steps; NULL where one lacks it
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,11 @@ USAGE_PROVENANCE: dict[str, str] = {  # each command's own: a sweep resumed by l
     "commit": "VARCHAR",
     "command": "VARCHAR",
 }
+# The columns of ``curves`` after its first six (run_id, step, tokens, flops, train_loss, lr), added to older stores.
+CURVE_EXTRA: dict[str, str] = {
+    "lm_loss": "DOUBLE",  # the LM loss in train_loss (the objective) at that step; NULL for points logged before
+}
+CURVE_COLUMNS = ("run_id", "step", "tokens", "flops", "train_loss", "lr", *CURVE_EXTRA)
 
 DDL = f"""
 CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR);
@@ -147,7 +153,8 @@ CREATE TABLE IF NOT EXISTS sweeps (
 );
 CREATE TABLE IF NOT EXISTS runs ({", ".join(f"{k} {v}" for k, v in RUN_COLUMNS.items())});
 CREATE TABLE IF NOT EXISTS curves (
-    run_id VARCHAR, step INTEGER, tokens BIGINT, flops DOUBLE, train_loss DOUBLE, lr DOUBLE
+    run_id VARCHAR, step INTEGER, tokens BIGINT, flops DOUBLE, train_loss DOUBLE, lr DOUBLE,
+    {", ".join(f"{k} {v}" for k, v in CURVE_EXTRA.items())}
 );
 CREATE TABLE IF NOT EXISTS fits (
     fit_id VARCHAR, sweep_id VARCHAR, arch VARCHAR, method VARCHAR, budget DOUBLE,
@@ -451,8 +458,8 @@ def _check_store(con: duckdb.DuckDBPyConnection, p: Path) -> int | None:
 
 def _add_missing_columns(con: duckdb.DuckDBPyConnection) -> None:
     """Give an existing ``runs`` table the record's columns it lacks (a metric added to ``RunMetrics`` after the
-    database was made), and ``sweeps`` and ``sweep_usage`` their provenance columns, at the end of the table, NULL
-    for the rows stored before; writes name their columns."""
+    database was made), ``sweeps`` and ``sweep_usage`` their provenance columns and ``curves`` its later ones, at the
+    end of the table, NULL for the rows stored before; writes name their columns."""
     have = {r[0] for r in con.execute("SELECT name FROM pragma_table_info('runs')").fetchall()}
     for name, sql_type in RUN_COLUMNS.items():
         if name not in have:
@@ -461,6 +468,8 @@ def _add_missing_columns(con: duckdb.DuckDBPyConnection) -> None:
         con.execute(f"ALTER TABLE sweeps ADD COLUMN IF NOT EXISTS {name} {sql_type}")
     for name, sql_type in USAGE_PROVENANCE.items():
         con.execute(f"ALTER TABLE sweep_usage ADD COLUMN IF NOT EXISTS {name} {sql_type}")
+    for name, sql_type in CURVE_EXTRA.items():
+        con.execute(f"ALTER TABLE curves ADD COLUMN IF NOT EXISTS {name} {sql_type}")
 
 
 def _json(v: Any) -> Any:
@@ -504,7 +513,8 @@ def add_run(
     Args:
         con: a writable connection.
         run: the record, or a mapping of some RUN_COLUMNS (others NULL; synthetic sweeps, collected runs, tests).
-        curve: points with step, tokens, flops, train_loss and lr.
+        curve: points with step, tokens, flops, train_loss and lr, and lm_loss where they have it (a point of a
+            checkpoint saved before curves held it does not: NULL).
     """
     add_runs(con, [(run, curve)])
 
@@ -528,11 +538,11 @@ def add_runs(
     given = [c for c in RUN_COLUMNS if any(c in row for row in rows)]  # columns no row names stay NULL
     curves_df = pd.DataFrame(
         [
-            (row["run_id"], p["step"], p["tokens"], p["flops"], p["train_loss"], p["lr"])
+            (row["run_id"], p["step"], p["tokens"], p["flops"], p["train_loss"], p["lr"], p.get("lm_loss"))
             for row, curve in zip(rows, curves, strict=True)
             for p in curve
         ],
-        columns=["run_id", "step", "tokens", "flops", "train_loss", "lr"],
+        columns=list(CURVE_COLUMNS),
     )
     with _transaction(con):  # BEGIN first: it ends a caller's unfinished result, which register refuses
         con.register("runs_df", runs_df)
@@ -543,7 +553,7 @@ def add_runs(
             cols = ", ".join(given)
             con.execute(f"INSERT INTO runs ({cols}, created_at) SELECT {cols}, now() FROM runs_df")
             if len(curves_df):
-                con.execute("INSERT INTO curves SELECT * FROM curves_df")
+                con.execute("INSERT INTO curves BY NAME SELECT * FROM curves_df")
         finally:  # a failed write leaves no view behind on the caller's connection
             con.unregister("runs_df")
             con.unregister("curves_df")

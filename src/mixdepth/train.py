@@ -51,7 +51,7 @@ class RunConfig:
 @dataclass(frozen=True)
 class RunResult:
     metrics: RunMetrics  # what the store keeps of the run (one row of ``runs`` with the plan)
-    curve: list[dict] = field(default_factory=list)  # step, tokens, flops, train_loss, lr every log_every steps
+    curve: list[dict] = field(default_factory=list)  # step, tokens, flops, train_loss, lm_loss, lr: every log_every
     resumed_step: int = 0  # the step the run resumed at from its checkpoint (0: trained from the start)
 
 
@@ -250,9 +250,12 @@ def _fit(run: RunConfig, cache_dir: Path | None, callbacks: tuple[Callback, ...]
         held = torch.tensor(float(peak_bytes), device=trainer.strategy.root_device)
         peak_bytes = trainer.strategy.reduce(held, reduce_op="max").item()
     tokens = run.steps * tokens_per_batch
-    tail = [p["train_loss"] for p in lit.curve[-max(1, len(lit.curve) // 10) :]]
-    stats = dict(lit.val_metrics)  # what is left after the two losses: routing statistics
-    losses = {"val_loss": stats.pop("val_loss", float("nan")), "train_loss": sum(tail) / len(tail)}
+    tail = lit.curve[-max(1, len(lit.curve) // 10) :]
+    stats = dict(lit.val_metrics)  # what is left after the losses: routing statistics
+    losses = {"val_loss": stats.pop("val_loss", float("nan"))}
+    losses["train_loss"] = sum(p["train_loss"] for p in tail) / len(tail)
+    if all("lm_loss" in p for p in tail):  # points restored from a checkpoint saved before curves held it lack it
+        losses["train_lm_loss"] = sum(p["lm_loss"] for p in tail) / len(tail)
     if "val_loss_causal" in stats:
         losses["val_loss_causal"] = stats.pop("val_loss_causal")
     diverged = blew_up(lit.curve) or not all(math.isfinite(v) for v in losses.values())
@@ -264,6 +267,7 @@ def _fit(run: RunConfig, cache_dir: Path | None, callbacks: tuple[Callback, ...]
         val_loss=losses["val_loss"],
         val_loss_causal=losses.get("val_loss_causal"),
         train_loss=losses["train_loss"],
+        train_lm_loss=losses.get("train_lm_loss"),
         wall_s=wall,
         setup_s=setup,
         eval_s=evaluated,

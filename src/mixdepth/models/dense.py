@@ -179,6 +179,13 @@ class DenseLM(nn.Module):
         """The training objective: mean next-token cross-entropy (nats) in fp32 (+ aux losses in routed families)."""
         return self(idx, targets)
 
+    def loss_terms(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(training objective, LM loss) of one forward, fp32 scalars: ``loss`` and the mean next-token cross-entropy
+        (nats) in it, which the training curves record beside it; one tensor twice where the objective has no aux
+        losses."""
+        loss = self.loss(idx, targets)
+        return loss, loss
+
     def eval_sums(self, idx: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
         """Additive held-out statistics of one batch; summed over batches, then read by ``eval_summary``."""
         return {"loss_sum": self(idx, targets) * targets.numel(), "tokens": torch.tensor(targets.numel())}

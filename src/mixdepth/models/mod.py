@@ -240,13 +240,23 @@ class MoDLM(Decoder, DenseLM):
         x, st = blk.forward_with(x, partial(_full_attn, attn=blk.attn, rope=self.rope, cache=cache))
         return x, None, st
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, mode: str | None = None):
-        """idx [B, T] -> logits [B, T, V]; with targets [B, T], the training objective (``with_aux_losses``)."""
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, mode: str | None = None, terms: bool = False
+    ):
+        """idx [B, T] -> logits [B, T, V]; with targets [B, T], the training objective (``with_aux_losses``), or with
+        ``terms`` the pair (objective, LM loss) of this one pass (``loss_terms``: a keyword of the forward, so that
+        compile's scope 'model' compiles it)."""
         mode = mode or self.route_mode
         x, infos, stats = self.trunk(idx, mode)
         if targets is None:
             return self.head_loss(x)  # [B, T, V]
-        return self.with_aux_losses(self.head_loss(x, targets), infos, stats, mode)
+        lm = self.head_loss(x, targets)
+        loss = self.with_aux_losses(lm, infos, stats, mode)
+        return (loss, lm) if terms else loss
+
+    def loss_terms(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(training objective, LM loss) of the one forward ``loss`` runs: the second without the aux losses."""
+        return self(idx, targets, terms=True)
 
     def with_aux_losses(self, loss: torch.Tensor, infos: list[RouteInfo], stats: list, mode: str) -> torch.Tensor:
         """LM loss + aux_weight·router BCE + predictor BCE (top-k mode, layer means; random routing skips the

@@ -40,6 +40,7 @@ ARCH_COLORS: dict[str, Color] = {
 _OTHER_COLORS: tuple[Color, ...] = tuple(sns.color_palette("husl", 12))  # any other arch: by a hash of its name
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "h")
 CAUSAL_TINT = 0.45  # an ``<arch>:causal`` series: its arch's colour this far toward white
+CURVE_LABELS = {"lm_loss": "training LM loss (nats)", "train_loss": "training objective (nats)"}  # plot_curves' y
 
 
 def _log_x(ax) -> None:
@@ -365,30 +366,31 @@ def plot_mod_normalized(
     return _save(fig, out)
 
 
-def plot_curves(
-    curves: pd.DataFrame, out: str | os.PathLike, *, x_col: str = "tokens", loss_col: str = "train_loss"
-) -> Path:
-    """Training curves: the training objective against tokens seen (log x), one panel per budget, one line per run.
+def plot_curves(curves: pd.DataFrame, out: str | os.PathLike, *, x_col: str = "tokens") -> Path:
+    """Training curves: the training LM loss against tokens seen (log x), one panel per budget, one line per run.
 
-    The objective is the LM loss plus, in MoD and MoDE, their router, predictor and MoE aux losses, so their curves
-    sit above their LM loss by those (MoD's predictor BCE starts near ln 2 and falls as the predictor learns):
-    families compare on held-out loss, not here.
+    The LM loss is the plain mean next-token cross-entropy, comparable across families. Where a plotted point lacks
+    it (a store, or a resumed run's checkpoint, from before curves recorded it) every line shows the training
+    objective instead, as the axis says: the LM loss plus, in MoD and MoDE, their router, predictor and MoE aux
+    losses, so their curves then sit above their LM loss by those (MoD's predictor BCE starts near ln 2 and falls as
+    the predictor learns).
 
     Colour is the arch's (``series_color``), a lighter shade for a smaller model; a diverged run is dotted.
 
     Args:
-        curves: ``store.load_curves`` rows (run_id, arch, budget, n, status, ``x_col``, ``loss_col``).
+        curves: ``store.load_curves`` rows (run_id, arch, budget, n, status, ``x_col``, train_loss, and lm_loss
+            where known).
         out: PNG path.
         x_col: x column ("tokens" or "flops").
-        loss_col: loss column (nats).
 
     Raises:
         AnalysisError: no curve point has a finite loss.
     """
-    df = curves.dropna(subset=[x_col, loss_col])
-    df = df[(df[x_col] > 0) & np.isfinite(df[loss_col])]
+    df = curves.dropna(subset=[x_col, "train_loss"])
+    df = df[(df[x_col] > 0) & np.isfinite(df["train_loss"])]
     if df.empty:
         raise AnalysisError("no training curve with a finite loss")
+    loss_col = "lm_loss" if "lm_loss" in df and df["lm_loss"].notna().all() else "train_loss"
     budgets = sorted(set(df["budget"].astype(float)))
     fig, axes = _figure(len(budgets), panel_w=4.6, panel_h=3.6)
     for ax, b in zip(axes, budgets, strict=True):
@@ -404,7 +406,7 @@ def plot_curves(
         _log_x(ax)
         ax.set_title(_budget_label(b))
         ax.set_xlabel("tokens seen" if x_col == "tokens" else "training FLOPs")
-        ax.set_ylabel("training objective (nats)")
+        ax.set_ylabel(CURVE_LABELS[loss_col])
     handles = [Line2D([], [], color=series_color(a), label=a) for a in sorted(set(df["arch"]))]
     fig.legend(handles=handles, loc="outside right upper", title="arch (lighter: smaller N)", fontsize="small")
     return _save(fig, out)

@@ -171,12 +171,13 @@ def load_curves(con: duckdb.DuckDBPyConnection, sweep_id: str | None) -> pd.Data
     """Training curves of a sweep's runs (every status), with the run's arch, budget, N and status.
 
     Returns:
-        Columns run_id, arch, budget, n, status, step, tokens, flops, train_loss, lr; ordered by arch, budget,
-        N, run, step. Empty when no run of the sweep logged a curve.
+        Columns run_id, arch, budget, n, status, step, tokens, flops, train_loss (the objective), lm_loss (the LM
+        loss in it; NULL where the store or the point predates it), lr; ordered by arch, budget, N, run, step.
+        Empty when no run of the sweep logged a curve.
     """
     return con.execute(
         "SELECT c.run_id, r.arch, r.budget, r.params_nonembed AS n, r.status, c.step, c.tokens, c.flops,"
-        " c.train_loss, c.lr FROM curves c JOIN runs r USING (run_id)"
+        f" c.train_loss, {_optional(con, 'curves', ('lm_loss',))}, c.lr FROM curves c JOIN runs r USING (run_id)"
         " WHERE r.sweep_id IS NOT DISTINCT FROM ? ORDER BY r.arch, r.budget, n, c.run_id, c.step",
         [sweep_id],
     ).df()

@@ -17,8 +17,9 @@ from dataclasses import asdict, replace
 
 import pytest
 import torch
+from lightning.pytorch import Callback
 
-from mixdepth.checkpoints import FINAL, finish_checkpoints, load_model
+from mixdepth.checkpoints import FINAL, STATE, finish_checkpoints, load_model
 from mixdepth.config import DataConfig, TrainConfig
 from mixdepth.lit import LitLM, LMDataModule
 from mixdepth.models import MODELS
@@ -46,7 +47,13 @@ def run_config(arch: str, ckpt_dir=None, **train) -> RunConfig:
 def summary(result) -> dict:
     """What a resumed run must reproduce, as JSON round-trips it (floats exactly)."""
     m = result.metrics
-    return {"train_loss": m.train_loss, "val_loss": m.val_loss, "curve": result.curve, "resumed": result.resumed_step}
+    return {
+        "train_loss": m.train_loss,
+        "train_lm_loss": m.train_lm_loss,
+        "val_loss": m.val_loss,
+        "curve": result.curve,
+        "resumed": result.resumed_step,
+    }
 
 
 def train_and_print(args: list[str]) -> None:
@@ -143,6 +150,38 @@ def test_keep_ckpt_leaves_final_weights_that_load_without_lightning(tmp_path, un
     finish_checkpoints(folder, keep=False)
     assert not folder.exists()
     finish_checkpoints(folder, keep=False)  # a run whose folder is gone already (or never was): nothing to do
+
+
+def test_a_checkpoint_from_before_the_lm_loss_resumes_with_its_points_lacking_it(tmp_path, uninterrupted):
+    """A checkpoint saved before curve points held the LM loss: the resumed run keeps its restored points as they
+    were (no lm_loss, NULL in the store), records the LM loss from the steps it trains on, and its train_lm_loss
+    (the mean over train_loss's last points, here the final one, trained after the resume) is the uninterrupted
+    run's."""
+    folder = tmp_path / "run"
+
+    class StopAt(Callback):  # a run cut off after its checkpoint at step 2 x EVERY
+        def on_train_batch_end(self, trainer, *args) -> None:
+            trainer.should_stop = trainer.global_step >= 2 * EVERY
+
+    threads = torch.get_num_threads()
+    try:
+        fit(run_config("dense", folder), callbacks=[StopAt()])
+        (ckpt,) = folder.glob("*.ckpt")
+        assert ckpt.name == f"step={2 * EVERY}.ckpt"
+        saved = torch.load(ckpt, weights_only=False)
+        saved[STATE]["curve"] = [{k: v for k, v in p.items() if k != "lm_loss"} for p in saved[STATE]["curve"]]
+        torch.save(saved, ckpt)
+        result = fit(run_config("dense", folder))
+    finally:
+        torch.set_num_threads(threads)
+    want = uninterrupted["dense"]
+    assert result.resumed_step == 2 * EVERY
+    assert [p["step"] for p in result.curve] == [p["step"] for p in want["curve"]]
+    old = [p for p in result.curve if p["step"] <= 2 * EVERY]
+    new = [p for p in result.curve if p["step"] > 2 * EVERY]
+    assert old and new and not any("lm_loss" in p for p in old)
+    assert [p["lm_loss"] for p in new] == [p["lm_loss"] for p in want["curve"] if p["step"] > 2 * EVERY]
+    assert result.metrics.train_lm_loss == want["train_lm_loss"] == new[-1]["lm_loss"]
 
 
 @pytest.mark.parametrize("arch", ["dense", "mod", "moda"])

@@ -139,11 +139,18 @@ USAGE_PROVENANCE: dict[str, str] = {  # each command's own: a sweep resumed by l
     "commit": "VARCHAR",
     "command": "VARCHAR",
 }
-# The columns of ``curves`` after its first six (run_id, step, tokens, flops, train_loss, lr), added to older stores.
-CURVE_EXTRA: dict[str, str] = {
+CURVE_BASE: dict[str, str] = {  # ``curves``' columns since the first store
+    "run_id": "VARCHAR",
+    "step": "INTEGER",
+    "tokens": "BIGINT",
+    "flops": "DOUBLE",
+    "train_loss": "DOUBLE",
+    "lr": "DOUBLE",
+}
+CURVE_EXTRA: dict[str, str] = {  # its later columns, added to older stores
     "lm_loss": "DOUBLE",  # the LM loss in train_loss (the objective) at that step; NULL for points logged before
 }
-CURVE_COLUMNS = ("run_id", "step", "tokens", "flops", "train_loss", "lr", *CURVE_EXTRA)
+CURVE_COLUMNS = (*CURVE_BASE, *CURVE_EXTRA)
 
 DDL = f"""
 CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR);
@@ -152,10 +159,7 @@ CREATE TABLE IF NOT EXISTS sweeps (
     {", ".join(f"{k} {v}" for k, v in SWEEP_PROVENANCE.items())}
 );
 CREATE TABLE IF NOT EXISTS runs ({", ".join(f"{k} {v}" for k, v in RUN_COLUMNS.items())});
-CREATE TABLE IF NOT EXISTS curves (
-    run_id VARCHAR, step INTEGER, tokens BIGINT, flops DOUBLE, train_loss DOUBLE, lr DOUBLE,
-    {", ".join(f"{k} {v}" for k, v in CURVE_EXTRA.items())}
-);
+CREATE TABLE IF NOT EXISTS curves ({", ".join(f"{k} {v}" for k, v in {**CURVE_BASE, **CURVE_EXTRA}.items())});
 CREATE TABLE IF NOT EXISTS fits (
     fit_id VARCHAR, sweep_id VARCHAR, arch VARCHAR, method VARCHAR, budget DOUBLE,
     params JSON, ci JSON, n_points INTEGER, objective DOUBLE, created_at TIMESTAMP

@@ -67,8 +67,14 @@ NOT_IDENTITY = {
 }
 
 
+# Keys added after sweeps were stored, at the value that trains what those sweeps trained before the key existed:
+# left out of the identity while at it, so an older sweep resumes as the same sweep with the same run ids.
+LATER = {"train": {"warmup_steps": 0}}
+
+
 def identity(lab: LabConfig) -> dict:
-    """The config that defines results: the merged sections without the ``NOT_IDENTITY`` keys.
+    """The config that defines results: the merged sections without the ``NOT_IDENTITY`` keys, nor the ``LATER``
+    keys at their former value.
 
     The resolved ``lab.archs`` are left out: they derive from these sections and conf/model/ YAML, and each
     run id hashes its own family config.
@@ -77,6 +83,10 @@ def identity(lab: LabConfig) -> dict:
     for section, keys in NOT_IDENTITY.items():
         for key in keys:
             d[section].pop(key)
+    for section, former in LATER.items():
+        for key, value in former.items():
+            if d[section][key] == value:
+                d[section].pop(key)
     return d
 
 

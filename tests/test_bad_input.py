@@ -204,6 +204,7 @@ def test_report_folder_holding_the_store_is_refused(cli, db):
         ("train.seed=-1", "train.seed"),
         ("train.weight_decay=-0.1", "train.weight_decay"),
         ("train.warmup_frac=1.5", "train.warmup_frac"),
+        ("train.warmup_steps=-1", "train.warmup_steps"),
         ("train.min_lr_ratio=2", "train.min_lr_ratio"),
         ("train.threads=-1", "train.threads"),
         ("train.grad_clip=-1", "train.grad_clip"),

@@ -71,6 +71,7 @@ class TrainConfig:
     lr: float = 3e-3
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_frac: float = 0.05  # share of steps for linear warmup (at least one step)
+    warmup_steps: int = 0  # at least this many warmup steps, at most half the run's: a floor for short runs (0: none)
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -294,6 +295,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "train.lr": _real(0, open_lo=True),
     "train.min_lr_ratio": _real(0, 1),
     "train.warmup_frac": _real(0, 1),
+    "train.warmup_steps": _count(0),
     "train.weight_decay": _real(0),
     "train.beta1": _real(0, 1, open_hi=True),
     "train.beta2": _real(0, 1, open_hi=True),

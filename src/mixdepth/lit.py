@@ -32,6 +32,12 @@ def lr_lambda(step: int, total: int, warmup: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
 
 
+def warmup_steps(c: TrainConfig, total: int) -> int:
+    """A run of ``total`` steps warms up over its share ``c.warmup_frac``, at least ``c.warmup_steps`` of them (at
+    most half the run: the floor keeps the short runs of a sweep from starting at full rate) and at least one."""
+    return max(1, round(c.warmup_frac * total), min(c.warmup_steps, total // 2))
+
+
 class LitLM(L.LightningModule):
     """Wraps an LM exposing ``loss_terms(x, y)``; trains its objective and records a training curve (the objective
     and the LM loss) every ``log_every`` steps.
@@ -190,7 +196,7 @@ class LitLM(L.LightningModule):
             betas=(c.beta1, c.beta2),
             fused=self._fused(),
         )
-        warmup = max(1, round(c.warmup_frac * self.max_steps))
+        warmup = warmup_steps(c, self.max_steps)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, self.max_steps, warmup, c.min_lr_ratio))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 

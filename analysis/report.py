@@ -81,6 +81,7 @@ def _header_lines(fits: SweepFits, summary: Mapping[str, Any]) -> list[str]:
     lines += [
         f"- name: {summary.get('name') or '–'}; preset: {summary.get('preset') or '–'};"
         f" created: {summary.get('created_at') or '–'}; devices: {', '.join(summary.get('devices') or []) or '–'}",
+        _corpora_line(summary.get("corpora")),
         _passes_line(summary.get("passes")),
         f"- fitted series: {', '.join(a.arch for a in fits.archs) or 'none'}"
         " (N = non-embedding parameters, D = tokens trained, C = the sweep's budget, loss in nats)",
@@ -90,6 +91,20 @@ def _header_lines(fits: SweepFits, summary: Mapping[str, Any]) -> list[str]:
         "",
     ]
     return lines
+
+
+def _corpora_line(corpora: list[tuple[str, str, int]] | None) -> str:
+    """The text the runs trained on, by corpus fingerprint: a sweep resumed where ``data.corpus`` reads other text
+    (site-packages on another machine, an edited folder) trains its later runs on other data under the same id."""
+    if not corpora:
+        return "- corpus: not recorded"
+    each = "; ".join(f"{name} ({fp}, {n} run{'s' * (n > 1)})" for name, fp, n in corpora)
+    if len(corpora) == 1:
+        return f"- corpus: {each}"
+    return (
+        f"- **runs trained on {len(corpora)} corpora**: {each}: their losses were measured on different text, and the"
+        " fits and curves mix them"
+    )
 
 
 def _passes_line(p: Mapping[str, Any] | None) -> str:

@@ -191,7 +191,8 @@ def sweep_summary(con: duckdb.DuckDBPyConnection, sweep_id: str | None) -> dict[
         provenance columns planned, version, commit, command (None where the store lacks the column or the
         sweep has no value: unknown); runs_by_status (status -> runs in the database); finished (runs with a
         status); devices; software (the distinct ``versions`` of the runs, each a dict); usage (``sweep_usage``
-        rows); passes (how often runs went over their corpus, ``_passes``).
+        rows); passes (how often runs went over their corpus, ``_passes``); corpora ((corpus, fingerprint, runs)
+        of its finished runs, most runs first: more than one means their losses were measured on different text).
     """
     prov = _optional(con, "sweeps", PROVENANCE_COLUMNS)
     row = con.execute(
@@ -209,6 +210,11 @@ def sweep_summary(con: duckdb.DuckDBPyConnection, sweep_id: str | None) -> dict[
     software = [json.loads(r[0]) for r in con.execute(
         "SELECT DISTINCT CAST(versions AS VARCHAR) FROM runs WHERE sweep_id IS NOT DISTINCT FROM ?"
         " AND versions IS NOT NULL ORDER BY 1", [sweep_id]).fetchall()]  # fmt: skip
+    corpora = con.execute(
+        "SELECT corpus, corpus_fingerprint, count(*) FROM runs WHERE sweep_id IS NOT DISTINCT FROM ?"
+        " AND status IS NOT NULL AND corpus_fingerprint IS NOT NULL GROUP BY 1, 2 ORDER BY 3 DESC, 1, 2",
+        [sweep_id],
+    ).fetchall()
     by_status = {s: int(c) for s, c in counts}
     name, preset, created, config, *provenance = row if row else (None,) * (4 + len(PROVENANCE_COLUMNS))
     return {
@@ -224,6 +230,7 @@ def sweep_summary(con: duckdb.DuckDBPyConnection, sweep_id: str | None) -> dict[
         "software": software,
         "usage": _usage(con, sweep_id),
         "passes": _passes(con, sweep_id),
+        "corpora": [(name, fp, int(n)) for name, fp, n in corpora],
     }
 
 

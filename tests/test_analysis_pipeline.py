@@ -268,6 +268,13 @@ def test_redact_hides_url_passwords_only():
         ({"finished": 2, "passes": {"runs": 2, "recorded": 2, "least": 0.01, "most": 0.5, "repeated": 0,
                                     "fewest_tokens": 100, "most_tokens": 200}},
          ["(100-200 tokens): 0.01-0.5 per run; no run trained on more tokens than it holds"]),
+        ({"finished": 2}, ["- corpus: not recorded"]),
+        ({"finished": 2, "corpora": [("stdlib:python3.12.3", "aa11", 2)]},
+         ["- corpus: stdlib:python3.12.3 (aa11, 2 runs)\n"]),
+        ({"finished": 3, "corpora": [("site-packages:python3.12.3", "bb22", 2), ("site-packages:python3.12.3", "cc33",
+                                                                                 1)]},
+         ["- **runs trained on 2 corpora**: site-packages:python3.12.3 (bb22, 2 runs); site-packages:python3.12.3"
+          " (cc33, 1 run): their losses were measured on different text, and the fits and curves mix them"]),
     ],
 )  # fmt: skip
 def test_report_header_says_how_complete_the_sweep_is(summary, needles):
@@ -291,6 +298,20 @@ def test_passes_size_a_run_without_its_split_by_a_run_of_the_same_corpus(tmp_pat
         add_run(con, {**base, "run_id": run_id, "corpus_fingerprint": fp, "tokens": tokens, "corpus_tokens": split}, [])
     p = sweep_summary(con, "s1")["passes"]
     assert (p["runs"], p["recorded"], p["inferred"], p["least"], p["most"], p["repeated"]) == (3, 2, 1, 0.5, 3.0, 1)
+
+
+def test_the_summary_counts_the_finished_runs_of_each_corpus(tmp_path):
+    """Corpora by fingerprint, most runs first, over the sweep's finished runs only (a queued row has no status)."""
+    from analysis.store import sweep_summary
+
+    con = connect(tmp_path / "r.db")
+    rows = (("a", "x", "ok"), ("b", "x", "diverged"), ("c", "y", "ok"), ("d", "y", None), ("e", "y", None))
+    for run_id, fp, status in rows:
+        add_run(con, {"sweep_id": "s1", "arch": "dense", "run_id": run_id, "status": status, "corpus": f"c-{fp}",
+                      "corpus_fingerprint": fp}, [])  # fmt: skip
+    add_run(con, {"sweep_id": "s2", "arch": "dense", "run_id": "f", "status": "ok", "corpus": "c-z",
+                  "corpus_fingerprint": "z"}, [])  # fmt: skip
+    assert sweep_summary(con, "s1")["corpora"] == [("c-x", "x", 2), ("c-y", "y", 1)]
 
 
 def test_series_fitted_in_processes_equal_those_fitted_here():

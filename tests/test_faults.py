@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import duckdb
@@ -167,8 +168,10 @@ class Case:
         self.filler: Path | None = None
 
     def inject(self, pid: int) -> None:
-        """Make the fault while the sweep is stopped (SIGSTOP), a few instructions after it printed the trigger."""
-        os.kill(pid, signal.SIGSTOP)
+        """Make the fault while the sweep is stopped: it stops itself right after printing the trigger's line
+        (``_STOPPING``), so however far this process lags behind its output, the fault comes before its next write."""
+        while _state(pid) != "T":
+            time.sleep(0.01)
         try:
             if self.name == "disk full":
                 self.filler = _fill(self.folder)
@@ -193,9 +196,34 @@ class Case:
             _sh("chattr", "-i", str(self.journal))
 
 
+def _state(pid: int) -> str:
+    """The process's state letter in /proc (T: stopped)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+# ``python -m sweeps`` whose first line holding argv[1] (which it drops) is followed by SIGSTOP to itself
+_STOPPING = """
+import os, runpy, signal, sys
+from sweeps.progress import Progress
+
+trigger, line = sys.argv.pop(1), Progress.line
+
+def stopping(self, text):
+    global trigger
+    line(self, text)
+    if trigger is not None and trigger in text:
+        trigger = None
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+Progress.line = stopping
+runpy.run_module("sweeps", run_name="__main__", alter_sys=True)
+"""
+
+
 def _run_case(case: Case, env: dict, cwd: Path) -> tuple[int, str, str]:
+    args = ["isoflop", "--db", str(case.db), *FAULT, f"sweep.workers={case.workers}"]
     p = subprocess.Popen(
-        [sys.executable, "-m", "sweeps", "isoflop", "--db", str(case.db), *FAULT, f"sweep.workers={case.workers}"],
+        [sys.executable, "-c", _STOPPING, case.trigger, *args],
         cwd=cwd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -20,6 +20,16 @@ The finished runs' seconds per step hold their compilation and the runs that sha
 ``MARGIN`` covers a run that trains up to a fifth slower than they did. One that trains with fewer beside it is
 over-priced (MoD d 768 alone in 92 s, predicted at 523 s from its shape's run beside three others; 2026-12-06) and
 waits for the next command rather than being cut off.
+
+A fifth is not a bound: beside other runs under MPS a run's speed depends on what trains beside it. Replayed on
+the 49 and 104 runs of two H100 sweeps, a run took 0.9 x its prediction at the median, over 1.2 x for one in six,
+up to 1.8 x; a command of 530 s started MoD d 600 (predicted 424 s) and MoDA d 144 (281 s), both still training
+when the device's 600 s ended it (2026-12-07). So the limit is also kept by stopping: a run still training at the
+limit is stopped there (its worker process killed; with ``--time-limit`` a sweep of one worker trains in a worker
+process too) and queued again, and the command ends as at any time limit. Its time is lost, unless it checkpoints
+(``train.ckpt_every``): then the next command resumes it from its last checkpoint. A stopped run that does not is
+predicted at least as long as it trained (``STOPPED_S``; it had not ended), so the rerun does not start it into the
+same stop. A launch of several ranks (``srun``, ``torchrun``) trains in its own processes and is not stopped.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 MARGIN = 1.2  # a run starts when now + MARGIN x its predicted seconds is within the limit
+STOPPED_S = "stopped_s"  # a queued trial's attribute: the longest a time limit let its run train, unfinished
 TIME_LIMIT = 75  # the exit code of a command that stopped at its time limit with runs still queued (EX_TEMPFAIL)
 
 
@@ -94,6 +105,18 @@ def predictor(finished: Iterable[dict]) -> Callable[[dict], float | None]:
     return seconds
 
 
+def estimator(finished: Iterable[dict]) -> Callable[[dict], float | None]:
+    """``seconds(attrs)``: a queued trial's predicted seconds from its user attributes: its run's (``predictor``),
+    and at least as long as a time limit let it train unfinished (``STOPPED_S``)."""
+    seconds = predictor(finished)
+
+    def of(attrs: dict) -> float | None:
+        s, ran = seconds(attrs["run"]["row"]), attrs.get(STOPPED_S)
+        return s if ran is None else max(s or 0.0, ran)
+
+    return of
+
+
 @dataclass(frozen=True)
 class Deadline:
     """A command's time limit: ``limit`` seconds from ``start`` (``clock`` seconds, the command's start)."""
@@ -106,14 +129,15 @@ class Deadline:
         return self.start + self.limit - self.clock()
 
     def order(self, finished: Iterable[dict]) -> Callable[[dict], float | None]:
-        """``key(row)``: None when a queued run, started now, is not predicted (from ``finished``) to end in time;
-        else its place among those that are: the longest predicted first (an unpredicted one before all), so the
-        runs that need most of the time left start while they still fit."""
-        seconds = predictor(finished)
+        """``key(attrs)`` of a queued trial's user attributes: None when its run, started now, is not predicted (from
+        ``finished``, ``estimator``) to end in time; else its place among those that are: the longest predicted
+        first (an unpredicted one before all), so the runs that need most of the time left start while they still
+        fit."""
+        seconds = estimator(finished)
 
-        def key(row: dict) -> float | None:
+        def key(attrs: dict) -> float | None:
             left = self.left()
-            s = seconds(row)
+            s = seconds(attrs)
             if left <= 0 or (s is not None and MARGIN * s > left):
                 return None
             return -math.inf if s is None else -s
@@ -121,15 +145,15 @@ class Deadline:
         return key
 
     def held(self, queued: list[dict], finished: Iterable[dict]) -> str:
-        """The line of a command that ends with the runs of ``queued`` (their rows) still queued, none of which would
-        end in time (predicted from ``finished``): rerun to resume, or, where even the shortest is predicted longer
-        than a whole command of this limit, that rerunning it would start none."""
-        n, seconds = len(queued), predictor(finished)
+        """The line of a command that ends with the trials ``queued`` (their user attributes) still queued, none of
+        which would end in time (predicted from ``finished``): rerun to resume, or, where even the shortest is
+        predicted longer than a whole command of this limit, that rerunning it would start none."""
+        n, seconds = len(queued), estimator(finished)
         line = (
             f"time limit: {n} run{'s' * (n > 1)} still queued, none predicted to end within the"
             f" {max(0.0, self.left()):.0f} s left of {self.limit:g} s"
         )
-        predicted = [s for row in queued if (s := seconds(row)) is not None]
+        predicted = [s for attrs in queued if (s := seconds(attrs)) is not None]
         if len(predicted) == n and MARGIN * min(predicted) > self.limit:
             return (
                 f"{line}; the shortest is predicted at {min(predicted):.0f} s (x {MARGIN:g} margin), more than a whole"

@@ -82,6 +82,7 @@ class _Slot:
     process: Any = None  # a spawn context Process, started at the first job
     conn: Connection | None = None
     key: Any = None  # the caller's key of the run in flight; None when idle
+    since: float = 0.0  # when the run in flight was handed over (time.time())
 
 
 class Pool:
@@ -126,7 +127,7 @@ class Pool:
         s = min((s for s in self._slots if s.key is None), key=lambda s: s.process is None)  # a live one first
         if s.process is None:
             self._spawn(s)
-        s.key = key
+        s.key, s.since = key, time.time()
         try:
             s.conn.send_bytes(pickle.dumps(run))
         except OSError:  # it died while idle: wait() finds its sentinel fired and reports this run's attempt failed
@@ -156,6 +157,17 @@ class Pool:
             why = f"worker died (signal {-code})" if code < 0 else f"worker exited with code {code}"
         s.process = s.conn = None
         return key, None, why
+
+    def stop(self) -> list[tuple[Any, float]]:
+        """Kill every worker that trains a run now (SIGKILL, as on leaving by an exception): ``(key, seconds since
+        its run was handed over)`` of each; a later ``submit`` starts a fresh worker in its place."""
+        now, stopped = time.time(), []
+        for s in self._slots:
+            if s.key is not None:
+                stopped.append((s.key, now - s.since))
+                self._end(s, kill=True)
+                s.process = s.conn = s.key = None
+        return stopped
 
     @staticmethod
     def _end(s: _Slot, kill: bool) -> None:

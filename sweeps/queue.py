@@ -26,6 +26,7 @@ from optuna.trial import TrialState
 
 from mixdepth.config import DataConfig, TrainConfig
 from mixdepth.results import RunMetrics
+from sweeps.deadline import STOPPED_S
 from sweeps.journal import storage as journal_storage
 
 # Optuna has marked its heartbeat API (heartbeat_interval, grace_period, the retry callback, fail_stale_trials)
@@ -248,11 +249,20 @@ def enqueue(study: optuna.Study, payloads: list[dict[str, Any]], skip_finished: 
     return len(fresh)
 
 
-def requeue(study: optuna.Study, trial: optuna.trial.FrozenTrial | optuna.Trial, alone: bool = False) -> None:
+def requeue(
+    study: optuna.Study,
+    trial: optuna.trial.FrozenTrial | optuna.Trial,
+    alone: bool = False,
+    stopped_s: float | None = None,
+) -> None:
     """A new waiting trial of the same run, behind the queued ones; ``alone`` (or the trial's own flag): it
-    trains with its host to itself (``pop``), e.g. after it ran out of memory beside other runs."""
+    trains with its host to itself (``pop``), e.g. after it ran out of memory beside other runs; ``stopped_s``:
+    a time limit stopped it after that many seconds, unfinished (the longest such stop is kept: ``sweeps.deadline``
+    predicts the run at least that long)."""
     alone = alone or trial.user_attrs.get("alone", False)
-    study.enqueue_trial({}, user_attrs=attrs(trial.user_attrs["run"]) | ({"alone": True} if alone else {}))
+    stopped = max((s for s in (stopped_s, trial.user_attrs.get(STOPPED_S)) if s is not None), default=None)
+    extra = ({"alone": True} if alone else {}) | ({STOPPED_S: stopped} if stopped is not None else {})
+    study.enqueue_trial({}, user_attrs=attrs(trial.user_attrs["run"]) | extra)
 
 
 def restart(study: optuna.Study, payloads: dict[str, dict[str, Any]], done: set[str]) -> None:
@@ -274,15 +284,15 @@ def pop(
 ) -> optuna.Trial | None:
     """Take a queued trial of ``study`` (RUNNING now, on this host), or None when none waits: the longest by ``cost``
     (a size added to bracket an optimum, or a run queued again, takes its place among the queued ones), or with
-    ``order`` the first by ``order(row)`` of its run's row among those whose key is not None; ties in queue order.
-    ``alone=False`` (the host trains other runs): none of those queued to train alone (``requeue``).
+    ``order`` the first by ``order(user_attrs)`` of its trial among those whose key is not None; ties in queue
+    order. ``alone=False`` (the host trains other runs): none of those queued to train alone (``requeue``).
     Race-free across processes and hosts: the storage moves a trial from WAITING to RUNNING for one caller only."""
     storage = study._storage
     waiting = [t for t in trials(study, TrialState.WAITING) if alone or not t.user_attrs.get("alone")]
     if order is None:
         waiting = sorted(waiting, key=lambda t: -cost(t.user_attrs["run"]))  # stable
     else:
-        keyed = [(k, t) for t in waiting if (k := order(t.user_attrs["run"]["row"])) is not None]
+        keyed = [(k, t) for t in waiting if (k := order(t.user_attrs)) is not None]
         waiting = [t for _, t in sorted(keyed, key=lambda kt: kt[0])]  # stable: ties in queue order
     for t in waiting:
         if storage.set_trial_state_values(t._trial_id, state=TrialState.RUNNING):
@@ -305,13 +315,14 @@ def fail(trial: optuna.Trial) -> None:
     trial.study.tell(trial, state=TrialState.FAIL)
 
 
-def interrupted(study: optuna.Study, trial: optuna.Trial) -> None:
-    """End a trial whose process was stopped (Ctrl-C, SIGTERM, a fault elsewhere) and queue its run again; no
-    failed attempt of the run. Quiet when the storage itself is what failed: the error that stopped us goes on."""
+def interrupted(study: optuna.Study, trial: optuna.Trial, stopped_s: float | None = None) -> None:
+    """End a trial whose process was stopped (Ctrl-C, SIGTERM, a fault elsewhere; a time limit after ``stopped_s``
+    seconds) and queue its run again; no failed attempt of the run. Quiet when the storage itself is what failed:
+    the error that stopped us goes on."""
     try:
         trial.set_user_attr("interrupted", True)
         fail(trial)
-        requeue(study, trial)
+        requeue(study, trial, stopped_s=stopped_s)
     except Exception:
         pass
 
@@ -339,9 +350,9 @@ def finished_rows(studies: Iterable[optuna.Study]) -> list[dict]:
     return [row for s in studies for row, _ in finished(s).values()]
 
 
-def waiting_rows(studies: Iterable[optuna.Study]) -> list[dict]:
-    """The planned row of every queued run of ``studies``."""
-    return [t.user_attrs["run"]["row"] for s in studies for t in trials(s, TrialState.WAITING)]
+def waiting(studies: Iterable[optuna.Study]) -> list[dict]:
+    """The user attributes of every queued trial of ``studies`` (its run's planned row is ``["run"]["row"]``)."""
+    return [t.user_attrs for s in studies for t in trials(s, TrialState.WAITING)]
 
 
 @dataclass(frozen=True)

@@ -284,7 +284,7 @@ def _run(
     measured: list[dict] = []
 
     def record_usage(stopped: str | None = None) -> None:  # at the report (which then states it), or at a stop
-        if used.runs:
+        if used.runs or used.stopped:
             measured.append(used.row(stopped=stopped))
             with store.session() as con:
                 results.put_usage(con, measured[-1])
@@ -337,7 +337,8 @@ def _run(
                     log_root=paths.logs,
                     retries=lab.sweep.retries,
                     on_done=add,
-                    inline=workers == 1,
+                    on_stop=used.cut,
+                    inline=workers == 1 and deadline is None,  # a time limit stops runs: in a worker process
                     progress=bar,
                     pool=pool,
                     deadline=deadline,
@@ -350,7 +351,7 @@ def _run(
         record_usage(stopped="interrupted")
         raise
     used.trained = time.time()
-    waiting = queue.waiting_rows([study]) if deadline else []  # none would have ended in time
+    waiting = queue.waiting([study]) if deadline else []  # none would have ended in time
     held = len(waiting)
     print(f"trained {queued - len(failed) - held} runs in {time.perf_counter() - start:.0f}s")
     gave_up = _gave_up(failed, lab.sweep.retries + 1) if failed else ""

@@ -79,6 +79,7 @@ class Drain:
         retries: attempts after the first for a run whose fit raised or whose process died.
         on_done: called with (study, row, RunResult) once the storage holds a finished run (the local sweep
             stores it in its database); then the run's checkpoints are dropped (or its last one kept).
+        on_stop: called with the seconds a run trained when the time limit stopped it (its device time, lost).
         inline: train in this process (one slot): exceptions propagate as they would without a queue.
         ranks: (TCP store, number of other ranks) of a launch with several ranks (srun, torchrun) when this is its
             rank 0: each run is trained in this process together with the other ranks (``pool.Ranks``).
@@ -86,8 +87,9 @@ class Drain:
             left as runs start and end, so one bar can span several drains (the caller closes it). Default: lines only.
         pool: worker processes the caller holds across drains (started early, kept warm between them); None: the
             drain's own, by ``slots``, ``inline`` and ``ranks``.
-        deadline: the command's time limit: only runs predicted to end within it start (``sweeps.deadline``), and
-            the drain ends once none of the queued ones is and none trains here. None: no limit.
+        deadline: the command's time limit: only runs predicted to end within it start (``sweeps.deadline``), runs
+            of worker processes still training at it are stopped and queued again, and the drain ends once none of
+            the queued ones would end in time and none trains here. None: no limit.
     """
 
     studies: list[optuna.Study]
@@ -98,6 +100,7 @@ class Drain:
     log_root: Path | None = None
     retries: int = 1
     on_done: Callable[[optuna.Study, dict, Any], None] | None = None
+    on_stop: Callable[[float], None] | None = None
     inline: bool = False
     ranks: tuple[Any, int] | None = None
     progress: Progress = field(default_factory=lambda: Progress(shown=False))
@@ -148,9 +151,11 @@ class Drain:
                                 return failed
                             time.sleep(IDLE_POLL_S)
                             continue
-                        ended = pool.wait(IDLE_POLL_S if beat else None)
+                        ended = pool.wait(self._wait_s(beat is not None))
                         if ended is not None:
                             self._ended(*ended, running, index, n, failed)
+                        elif self.deadline is not None and self.deadline.left() <= 0:
+                            self._stop(pool, running, index, n)
                 except BaseException:  # Ctrl-C, SIGTERM, a store error: unfinished runs leave no row, queued again
                     for study, trial, _ in running.values():
                         queue.interrupted(study, trial)
@@ -158,6 +163,23 @@ class Drain:
         finally:
             if beat:
                 beat.stopped.set()
+
+    def _wait_s(self, beating: bool) -> float | None:
+        """How long to wait for a run to end: until the next heartbeat, or the time limit, whichever comes first."""
+        waits = ([IDLE_POLL_S] if beating else []) + ([max(0.0, self.deadline.left())] if self.deadline else [])
+        return min(waits, default=None)
+
+    def _stop(self, pool: Pool, running: dict, index: dict, n: int) -> None:
+        """The time limit has passed with runs still training here: stop them and queue each again, predicted at
+        least as long as it trained unless it resumes from a checkpoint (``sweeps.deadline``)."""
+        for rid, seconds in pool.stop():
+            study, trial, run = running.pop(rid)
+            queue.interrupted(study, trial, stopped_s=None if run.ckpt_dir else seconds)
+            i = index[rid]
+            line = f"still training at the time limit after {seconds:.0f}s: stopped, queued again"
+            self.progress.line(f"    [{i}/{max(n, i)}] {line}")
+            if self.on_stop is not None:
+                self.on_stop(seconds)
 
     def _next(self, alone: bool) -> tuple[optuna.Study, optuna.Trial] | None:
         """A queued run to start here; ``alone``: nothing trains here, so one queued to train alone may start."""
@@ -184,7 +206,7 @@ class Drain:
 
     def _left(self, running: dict) -> tuple[float, int]:
         """Training FLOPs and number of the runs left: running here, or queued for any host."""
-        rows = queue.waiting_rows(self.studies)
+        rows = [attrs["run"]["row"] for attrs in queue.waiting(self.studies)]
         rows += [trial.user_attrs["run"]["row"] for _, trial, _ in running.values()]
         return sum(r["train_flops"] for r in rows), len(rows)
 
@@ -338,7 +360,7 @@ def serve(where: str, sweep: str | None, workers: int, overrides: list[str], tim
             progress=bar,
             deadline=deadline,
         ).run()
-    waiting = queue.waiting_rows(studies) if deadline else []
+    waiting = queue.waiting(studies) if deadline else []
     held = len(waiting)
     if held:
         print(f"{deadline.held(waiting, queue.finished_rows(studies))}; done in {time.perf_counter() - start:.0f}s")

@@ -1,6 +1,7 @@
 """``--time-limit``: a run starts only when the sweep's finished runs predict that it ends in time (the longest of
-those first), and the command ends with the rest queued, exit code 75; a rerun resumes. The scheduling is checked
-on a simulated clock with runs of known length, the command end to end on the CPU."""
+those first), one still training at the limit is stopped there and queued again, and the command ends with the rest
+queued, exit code 75; a rerun resumes. The scheduling is checked on a simulated clock with runs of known length, the
+command end to end on the CPU."""
 
 from pathlib import Path
 
@@ -12,7 +13,8 @@ from optuna.trial import TrialState
 from mixdepth.results import RunMetrics, journal_path
 from mixdepth.train import RunResult
 from sweeps import queue
-from sweeps.deadline import MARGIN, TIME_LIMIT, Deadline, parse, predictor
+from sweeps.deadline import MARGIN, STOPPED_S, TIME_LIMIT, Deadline, estimator, parse, predictor
+from sweeps.journal import storage as journal_storage
 
 SMALL = [  # 4 runs of one thread each: 2 shapes x 2 budgets
     "sweep.name=limited",
@@ -38,6 +40,11 @@ def row(arch="dense", d=192, layers=3, steps=100, flops=1e15, **metrics) -> dict
 
 def done(wall, setup=2.0, evaluate=1.0, status="ok", **kw) -> dict:
     return row(**kw, status=status, wall_s=wall, setup_s=setup, eval_s=evaluate)
+
+
+def queued(r: dict, **attrs) -> dict:
+    """A queued trial's user attributes for the run of row ``r``."""
+    return {"run": {"row": r}, **attrs}
 
 
 def test_a_shape_trained_before_is_predicted_from_its_run_with_the_most_steps():
@@ -74,12 +81,19 @@ def test_a_run_fits_when_its_margin_of_prediction_is_within_the_time_left_longes
     now = [1000.0]
     limit = Deadline(start=900.0, limit=400.0, clock=lambda: now[0])  # 300 s left
     key = limit.order([done(97.0, steps=1000)])  # 0.097 s a step, 3 s outside them
-    assert key(row(steps=1000)) == -100.0
-    assert key(row(steps=int((300 / MARGIN - 3) / 0.097))) is not None
-    assert key(row(steps=int((300 / MARGIN - 3) / 0.097) + 1)) is None
-    assert limit.order([])(row()) == float("-inf")  # nothing finished: unpredicted, starts first
+    assert key(queued(row(steps=1000))) == -100.0
+    assert key(queued(row(steps=int((300 / MARGIN - 3) / 0.097)))) is not None
+    assert key(queued(row(steps=int((300 / MARGIN - 3) / 0.097) + 1))) is None
+    assert limit.order([])(queued(row())) == float("-inf")  # nothing finished: unpredicted, starts first
     now[0] = 1300.0
-    assert limit.order([])(row()) is None  # past the limit nothing starts
+    assert limit.order([])(queued(row())) is None  # past the limit nothing starts
+
+
+def test_a_run_a_time_limit_stopped_is_predicted_at_least_as_long_as_it_trained():
+    seconds = estimator([done(97.0, steps=1000)])  # 0.097 s a step, 3 s outside them
+    assert seconds(queued(row(steps=1000), **{STOPPED_S: 250.0})) == 250.0  # unfinished after 250 s
+    assert seconds(queued(row(steps=1000), **{STOPPED_S: 50.0})) == pytest.approx(100.0)  # the longer prediction
+    assert estimator([])(queued(row(), **{STOPPED_S: 50.0})) == 50.0  # nothing finished: still not shorter
 
 
 def test_the_stop_line_says_whether_a_rerun_can_start_the_queued_runs():
@@ -90,10 +104,10 @@ def test_the_stop_line_says_whether_a_rerun_can_start_the_queued_runs():
     finished = [done(97.0, steps=1000)]  # 0.097 s a step, 3 s outside them
     fits_next_time = row(steps=1000)  # 100 s
     never = row(steps=4000)  # 391 s: x MARGIN over 400
-    line = limit.held([fits_next_time, never], finished)
+    line = limit.held([queued(fits_next_time), queued(never)], finished)
     assert line.startswith("time limit: 2 runs still queued, none predicted to end within the 10 s left of 400 s")
     assert line.endswith("; rerun the same command to resume"), line
-    line = limit.held([never], finished)
+    line = limit.held([queued(never)], finished)
     assert line.endswith(
         f"; the shortest is predicted at 391 s (x {MARGIN:g} margin), more than a whole command of 400 s: rerun with a"
         " longer --time-limit or without one"
@@ -130,32 +144,41 @@ class Simulated:
 
     def __init__(self, seconds, rows: dict[str, dict]):
         self.now, self.seconds, self.rows = 0.0, seconds, rows
-        self.job, self.log = None, []  # (run_id, start, end) of each run
+        self.job, self.started, self.log, self.stopped = None, 0.0, [], []  # (run_id, start, end) of each run
 
     free = property(lambda self: int(self.job is None))
 
     def submit(self, key, run) -> None:
-        self.job = key
+        self.job, self.started = key, self.now
 
     def wait(self, timeout=None):
-        rid, self.job = self.job, None
-        r = self.rows[rid]
-        wall = self.seconds(r) - 3.0
-        start, self.now = self.now, self.now + self.seconds(r)
-        self.log.append((rid, start, self.now))
-        m = RunMetrics("ok", 1.0, None, 1.0, wall, 1.0, None, None, "sim", "32", {}, "c", "f", None, 2.0, 1.0)
+        r = self.rows[self.job]
+        end = self.started + self.seconds(r)
+        if timeout is not None and self.now + timeout < end:  # still training when the wait ends
+            self.now += timeout
+            return None
+        rid, self.job, self.now = self.job, None, end
+        self.log.append((rid, self.started, end))
+        m = RunMetrics("ok", 1.0, None, 1.0, end - self.started - 3.0, 1.0, None, None, "sim", "32", {}, "c", "f",
+                       None, 2.0, 1.0)  # fmt: skip
         return rid, RunResult(m), None
 
+    def stop(self) -> list[tuple[str, float]]:
+        self.stopped.append((self.job, self.now - self.started))
+        self.job = None
+        return self.stopped[-1:]
 
-def _drain(payloads, seconds, limit: float | None):
+
+def _drain(payloads, seconds, limit: float | None, on_stop=None):
     from sweeps.worker import Drain
 
     study = optuna.create_study()
     queue.enqueue(study, payloads)
     pool = Simulated(seconds, {p["row"]["run_id"]: p["row"] for p in payloads})
     deadline = None if limit is None else Deadline(start=0.0, limit=limit, clock=lambda: pool.now)
-    assert Drain(studies=[study], pool=pool, deadline=deadline).run() == {}
-    return study, pool.log
+    assert Drain(studies=[study], pool=pool, deadline=deadline, on_stop=on_stop).run() == {}
+    assert pool.now <= (limit or float("inf")), pool.now  # the command ends within its limit
+    return study, pool
 
 
 @pytest.mark.parametrize("limit,started", [(100.0, [0, 1, 2]), (85.0, [0, 2]), (60.0, [0])])
@@ -167,12 +190,34 @@ def test_runs_start_only_when_they_end_in_time_and_the_rest_stay_queued(payloads
     Every run ends within the limit; the others stay queued for a later command."""
     seconds = lambda r: 10.0 + 0.1 * r["steps"]  # noqa: E731
     order = [queue.run_id(t) for t in _queued(payloads)]
-    assert [r for r, _, _ in _drain(payloads, seconds, None)[1]] == order
-    study, log = _drain(payloads, seconds, limit)
-    assert [r for r, _, _ in log] == [order[i] for i in started]
-    assert all(end <= limit for _, _, end in log), log
+    assert [r for r, _, _ in _drain(payloads, seconds, None)[1].log] == order
+    study, pool = _drain(payloads, seconds, limit)
+    assert [r for r, _, _ in pool.log] == [order[i] for i in started] and pool.stopped == []
     left = [queue.run_id(t) for t in queue.trials(study, TrialState.WAITING)]
     assert left == [r for i, r in enumerate(order) if i not in started]
+
+
+def test_a_run_still_training_at_the_limit_is_stopped_and_queued_again_predicted_no_shorter(payloads):
+    """As above with 100 s, but the 188-step run (42.7 s predicted, 51.3 s with the margin, 57.3 s left) trains
+    three times slower than the first run's rate says (66.4 s): at 100 s it is stopped after 57.3 s, its time
+    reported as lost, and queued again with that time, no failed attempt; the command ends at its limit. The next
+    command predicts it at 57.3 s, not the 42.7 s its FLOPs say."""
+    order = [queue.run_id(t) for t in _queued(payloads)]
+    slow = order[1]
+    seconds = lambda r: 10.0 + 0.1 * r["steps"] * (3 if r["run_id"] == slow else 1)  # noqa: E731
+    lost = []
+    study, pool = _drain(payloads, seconds, 100.0, on_stop=lost.append)
+    assert [r for r, _, _ in pool.log] == order[:1] and pool.now == pytest.approx(100.0)
+    assert pool.stopped == [(slow, pytest.approx(57.3))] and lost == [pytest.approx(57.3)]
+    again = queue.trials(study, TrialState.WAITING)
+    assert sorted(queue.run_id(t) for t in again) == sorted(order[1:])
+    attrs = next(t.user_attrs for t in again if queue.run_id(t) == slow)
+    assert attrs[STOPPED_S] == pytest.approx(57.3)
+    failed = queue.trials(study, TrialState.FAIL)
+    assert [queue.run_id(t) for t in failed] == [slow] and not any(map(queue.attempt_failed, failed))
+    first = queue.finished_rows([study])
+    assert predictor(first)(attrs["run"]["row"]) == pytest.approx(42.7, abs=0.1)
+    assert estimator(first)(attrs) == pytest.approx(57.3)
 
 
 def _queued(payloads) -> list:
@@ -202,6 +247,41 @@ def test_a_time_limited_sweep_leaves_no_row_and_its_rerun_trains_every_run(cli, 
     con.close()
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_sweep_stops_runs_still_training_at_its_limit_and_ends_there(cli, tmp_path, status_row, workers):
+    """With nothing finished the first runs start unpredicted; at 1e12 FLOPs they train for minutes, so the 30 s
+    limit stops them (in their worker processes: a sweep of one worker trains in one under a time limit) and the
+    command ends there: exit 75, no row, every run queued again and no failed attempt, the lost time in its usage;
+    the checkpoint each wrote is kept for the next command to resume from."""
+    import json
+    import time
+
+    db = tmp_path / "r.db"
+    start = time.monotonic()
+    extra = ["sweep.budgets=[1e12,2e12]", f"sweep.workers={workers}", "train.ckpt_every=200"]
+    r = cli("sweeps", "isoflop", "--db", str(db), "--time-limit", "30", *SMALL, *extra)
+    took = time.monotonic() - start
+    assert r.returncode == TIME_LIMIT, r.stderr[-2000:]
+    assert r.stdout.count("still training at the time limit after") == workers, r.stdout
+    assert "time limit: 4 runs still queued" in r.stdout, r.stdout
+    assert took < 30 + 20, (took, r.stdout)  # the limit, the Python start before it is counted, the exit
+    con = duckdb.connect(str(db), read_only=True)
+    assert con.execute("SELECT count(*) FROM runs").fetchone() == (0,)
+    (parts,) = con.execute("SELECT parts FROM sweep_usage").fetchone()
+    con.close()
+    parts = json.loads(parts)
+    assert parts["stopped"] == "time limit" and 0 < parts["runs stopped at the time limit"] < 30, parts
+    row = status_row(cli("sweeps", "status", "--db", str(db)).stdout, "limited")
+    assert [row[k] for k in ("planned", "queued", "running", "failed attempts")] == ["4", "4", "0", "0"]
+    kept = {p.parent.name for p in (tmp_path / "r_checkpoints").glob("*/step=*.ckpt")}
+    assert len(kept) == workers, sorted((tmp_path / "r_checkpoints").rglob("*"))
+    with queue.closing(journal_storage(journal_path(db))) as st:
+        (name,) = queue.sweeps_in(st)
+        again = queue.waiting([queue.load(st, name)])
+    assert {a["run"]["row"]["run_id"] for a in again} >= kept  # resumed from their checkpoints: not priced by the stop
+    assert len(again) == 4 and not any(STOPPED_S in a for a in again), again
+
+
 @pytest.mark.parametrize("extra", [["--time-limit", "0"], ["--time-limit", "5x"], ["--time-limit", "9", "--dry-run"]])
 def test_a_bad_time_limit_is_one_line_and_writes_nothing(cli, tmp_path, extra):
     r = cli("sweeps", "isoflop", "--db", str(tmp_path / "r.db"), *extra, *SMALL)
@@ -219,3 +299,8 @@ def test_usage_says_a_command_stopped_at_its_time_limit():
     assert stopped.endswith("(stopped at its time limit, before its report)"), stopped
     assert usage.lines(used.row(now=10.0, stopped="interrupted"))[0].endswith("(interrupted before its report)")
     assert "before its report" not in usage.lines(used.row(now=10.0))[0]
+    assert usage.CUT not in usage.lines(used.row(now=10.0))[1]  # shown where a run was stopped
+    used.cut(2.0)  # a run stopped after 2 s of its slot's 8: its time moves out of "idle or between runs"
+    row = used.row(now=10.0, stopped="time limit")
+    assert row["parts"][usage.CUT] == 2.0 and sum(row["parts"][k] for k in usage.PARTS) == pytest.approx(10.0)
+    assert f"{usage.CUT} 20.0%" in usage.lines(row)[1], usage.lines(row)

@@ -193,6 +193,7 @@ def test_runs_start_only_when_they_end_in_time_and_the_rest_stay_queued(payloads
     assert [r for r, _, _ in _drain(payloads, seconds, None)[1].log] == order
     study, pool = _drain(payloads, seconds, limit)
     assert [r for r, _, _ in pool.log] == [order[i] for i in started] and pool.stopped == []
+    assert all(end <= limit for _, _, end in pool.log), pool.log
     left = [queue.run_id(t) for t in queue.trials(study, TrialState.WAITING)]
     assert left == [r for i, r in enumerate(order) if i not in started]
 

@@ -160,10 +160,11 @@ class Pool:
 
     def stop(self) -> list[tuple[Any, float]]:
         """Kill every worker that trains a run now (SIGKILL, as on leaving by an exception): ``(key, seconds since
-        its run was handed over)`` of each; a later ``submit`` starts a fresh worker in its place."""
+        its run was handed over)`` of each; a later ``submit`` starts a fresh worker in its place. One whose reply
+        (or death) already waits is left for ``wait`` to report."""
         now, stopped = time.time(), []
         for s in self._slots:
-            if s.key is not None:
+            if s.key is not None and not s.conn.poll():
                 stopped.append((s.key, now - s.since))
                 self._end(s, kill=True)
                 s.process = s.conn = s.key = None

@@ -17,6 +17,7 @@ from pathlib import Path
 import duckdb
 
 from mixdepth.results import StoreError, connect
+from mixdepth.usage import STOPPED
 
 TABLES = {  # table -> the rows of one sweep
     "sweeps": "SELECT * FROM sweeps WHERE sweep_id = ?",
@@ -58,11 +59,15 @@ def _commands(con: duckdb.DuckDBPyConnection, out: Path) -> list[str]:
     if len(rows) < 2:
         return []
     lines = ["Its commands that trained (the line above names the latest's):", "",
-             "| started (UTC) | runs | wall s | commit | command |", "|---|---|---|---|---|"]  # fmt: skip
+             "| started (UTC) | runs | wall s | commit | command | ended |", "|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         commit, command = r.get("commit") or "not recorded", r.get("command")
+        ended = STOPPED.get(json.loads(r["parts"] or "{}").get("stopped"), "with its report")
         lines.append(f"| {r['started_at']:%Y-%m-%d %H:%M} | {r['runs']} | {r['wall_s']:.0f} | {commit} |"
-                     f" {f'`{command}`' if command else 'not recorded'} |")  # fmt: skip
+                     f" {f'`{command}`' if command else 'not recorded'} | {ended} |")  # fmt: skip
+    if any(line.endswith(f"| {STOPPED['interrupted']} |") for line in lines):
+        lines += ["", "A command interrupted before its report counts its wall-clock up to its stop, or, killed"
+                  " outright (a job's end, a device's limit), up to its last finished run."]  # fmt: skip
     return [*lines, ""]
 
 

@@ -185,3 +185,27 @@ def test_each_command_of_a_resumed_sweep_keeps_its_own_commit(store, tmp_path, c
         assert "- git commit: abc1234 (its latest command's; each command's under Device use)" in text
         assert "  commit not recorded: command line not recorded" in text
         assert "  commit def5678-dirty: `python -m sweeps isoflop --preset x --db r.db`" in text
+
+
+def test_the_published_commands_say_how_each_ended(store, tmp_path):
+    """A command stopped at its time limit, one interrupted or killed before its report (whose wall-clock is then only
+    up to its stop or last finished run, as the README says), and one that reported."""
+    con = connect(store)
+    for hour, stopped in ((9, "time limit"), (10, "interrupted")):
+        put_usage(con, {
+            "sweep_id": "s1", "started_at": dt.datetime(2026, 12, 3, hour, 0), "wall_s": 100.0, "gpus": 1,
+            "peak_flops": 9.895e14, "train_flops": 1e16, "runs": 4, "utilisation": 0.101,
+            "parts": {**dict.fromkeys(PARTS, 100.0 / len(PARTS)), "sharing": "mps", "interrupted": True,
+                      "stopped": stopped},
+        })  # fmt: skip
+    con.close()
+    out = tmp_path / "published"
+    assert main(["publish", "--db", str(store), "--sweep", "s1", "--out", str(out)]) == 0
+    readme = (out / "README.md").read_text()
+    assert "| 2026-12-02 17:39 | 30 | 300 | not recorded | not recorded | with its report |" in readme
+    assert (
+        "| 2026-12-03 09:00 | 4 | 100 | not recorded | not recorded | stopped at its time limit, before its report |"
+        in readme
+    )
+    assert "| 2026-12-03 10:00 | 4 | 100 | not recorded | not recorded | interrupted before its report |" in readme
+    assert "killed outright (a job's end, a device's limit), up to its last finished run." in readme

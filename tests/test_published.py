@@ -16,6 +16,17 @@ from mixdepth.usage import PARTS
 PROVENANCE = {"planned": 30, "version": "0.9", "commit": "abc1234", "command": "python3 -m sweeps isoflop --preset x"}
 
 
+def usage_row(started, wall=100.0, flops=1e16, runs=4, util=0.101, commit=None, command=None, **parts) -> dict:
+    """One command's ``sweep_usage`` row of sweep s1 on one GPU under MPS, its parts equal; ``parts``: more of them
+    (``stopped``, ``interrupted``)."""
+    return {
+        "sweep_id": "s1", "started_at": started, "wall_s": wall, "gpus": 1, "peak_flops": 9.895e14,
+        "train_flops": flops, "runs": runs, "utilisation": util,
+        "parts": {**dict.fromkeys(PARTS, wall / len(PARTS)), "sharing": "mps", **parts},
+        "commit": commit, "command": command,
+    }  # fmt: skip
+
+
 @pytest.fixture
 def store(tmp_path):
     db = tmp_path / "results.db"
@@ -36,11 +47,7 @@ def store(tmp_path):
     for shape, arch in con.execute(f"SELECT DISTINCT {SHAPE_KEY}, arch FROM runs WHERE sweep_id = 's1'").fetchall():
         put_alone_rate(con, {"sweep_id": "s1", "shape": shape, "arch": arch, "steps": 100, "tokens_per_s": 4e6,
                              "device": "NVIDIA H200"})  # fmt: skip
-    put_usage(con, {
-        "sweep_id": "s1", "started_at": dt.datetime(2026, 12, 2, 17, 39), "wall_s": 300.0, "gpus": 1,
-        "peak_flops": 9.895e14, "train_flops": 4e16, "runs": 30, "utilisation": 0.133,
-        "parts": {**dict.fromkeys(PARTS, 300.0 / len(PARTS)), "sharing": "mps"},
-    })  # fmt: skip
+    put_usage(con, usage_row(dt.datetime(2026, 12, 2, 17, 39), 300.0, 4e16, 30, 0.133))
     con.close()
     return db
 
@@ -167,12 +174,8 @@ def test_each_command_of_a_resumed_sweep_keeps_its_own_commit(store, tmp_path, c
     con.execute("ALTER TABLE sweep_usage DROP COLUMN command")
     con.close()
     con = connect(store)  # a writer adds them
-    put_usage(con, {
-        "sweep_id": "s1", "started_at": dt.datetime(2026, 12, 3, 9, 0), "wall_s": 100.0, "gpus": 1,
-        "peak_flops": 9.895e14, "train_flops": 1e16, "runs": 4, "utilisation": 0.101,
-        "parts": {**dict.fromkeys(PARTS, 100.0 / len(PARTS)), "sharing": "mps"},
-        "commit": "def5678-dirty", "command": "python -m sweeps isoflop --preset x --db r.db",
-    })  # fmt: skip
+    command = "python -m sweeps isoflop --preset x --db r.db"
+    put_usage(con, usage_row(dt.datetime(2026, 12, 3, 9, 0), commit="def5678-dirty", command=command))
     con.close()
     out = tmp_path / "published"
     assert main(["publish", "--db", str(store), "--sweep", "s1", "--out", str(out)]) == 0
@@ -192,12 +195,7 @@ def test_the_published_commands_say_how_each_ended(store, tmp_path):
     up to its stop or last finished run, as the README says), and one that reported."""
     con = connect(store)
     for hour, stopped in ((9, "time limit"), (10, "interrupted")):
-        put_usage(con, {
-            "sweep_id": "s1", "started_at": dt.datetime(2026, 12, 3, hour, 0), "wall_s": 100.0, "gpus": 1,
-            "peak_flops": 9.895e14, "train_flops": 1e16, "runs": 4, "utilisation": 0.101,
-            "parts": {**dict.fromkeys(PARTS, 100.0 / len(PARTS)), "sharing": "mps", "interrupted": True,
-                      "stopped": stopped},
-        })  # fmt: skip
+        put_usage(con, usage_row(dt.datetime(2026, 12, 3, hour, 0), interrupted=True, stopped=stopped))
     con.close()
     out = tmp_path / "published"
     assert main(["publish", "--db", str(store), "--sweep", "s1", "--out", str(out)]) == 0

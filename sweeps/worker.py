@@ -216,9 +216,8 @@ class Drain:
 
     @staticmethod
     def _attempt(study: optuna.Study, rid: str) -> int:
-        return 1 + sum(
-            queue.run_id(t) == rid and t.datetime_start is not None for t in queue.trials(study, TrialState.FAIL)
-        )
+        """This attempt's number: 1 + the run's failed ones (a run stopped by a time limit or Ctrl-C has not failed)."""
+        return 1 + sum(queue.run_id(t) == rid and queue.attempt_failed(t) for t in queue.trials(study, TrialState.FAIL))
 
     def _ended(self, rid: str, res: Any, why: str | None, running: dict, index: dict, n: int, failed: dict) -> None:
         study, trial, run = running.pop(rid)

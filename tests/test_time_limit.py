@@ -142,8 +142,8 @@ def payloads() -> list[dict]:
 class Simulated:
     """One slot whose runs take ``seconds(row)`` on the clock ``now``: ``Drain``'s pool without training."""
 
-    def __init__(self, seconds, rows: dict[str, dict]):
-        self.now, self.seconds, self.rows = 0.0, seconds, rows
+    def __init__(self, seconds, rows: dict[str, dict], fails: set[str] = frozenset()):
+        self.now, self.seconds, self.rows, self.fails = 0.0, seconds, rows, set(fails)  # fails: runs that fail once
         self.job, self.started, self.log, self.stopped = None, 0.0, [], []  # (run_id, start, end) of each run
 
     free = property(lambda self: int(self.job is None))
@@ -158,6 +158,9 @@ class Simulated:
             self.now += timeout
             return None
         rid, self.job, self.now = self.job, None, end
+        if rid in self.fails:
+            self.fails.discard(rid)
+            return rid, None, "worker died (signal 9)"
         self.log.append((rid, self.started, end))
         m = RunMetrics("ok", 1.0, None, 1.0, end - self.started - 3.0, 1.0, None, None, "sim", "32", {}, "c", "f",
                        None, 2.0, 1.0)  # fmt: skip
@@ -169,12 +172,14 @@ class Simulated:
         return self.stopped[-1:]
 
 
-def _drain(payloads, seconds, limit: float | None, on_stop=None):
+def _drain(payloads, seconds, limit: float | None, on_stop=None, study=None, fails: set[str] = frozenset()):
+    """Drain ``study`` (default: a new one with the payloads queued) on the simulated clock; every run trains."""
     from sweeps.worker import Drain
 
-    study = optuna.create_study()
-    queue.enqueue(study, payloads)
-    pool = Simulated(seconds, {p["row"]["run_id"]: p["row"] for p in payloads})
+    if study is None:
+        study = optuna.create_study()
+        queue.enqueue(study, payloads)
+    pool = Simulated(seconds, {p["row"]["run_id"]: p["row"] for p in payloads}, fails)
     deadline = None if limit is None else Deadline(start=0.0, limit=limit, clock=lambda: pool.now)
     assert Drain(studies=[study], pool=pool, deadline=deadline, on_stop=on_stop).run() == {}
     assert pool.now <= (limit or float("inf")), pool.now  # the command ends within its limit
@@ -219,6 +224,22 @@ def test_a_run_still_training_at_the_limit_is_stopped_and_queued_again_predicted
     first = queue.finished_rows([study])
     assert predictor(first)(attrs["run"]["row"]) == pytest.approx(42.7, abs=0.1)
     assert estimator(first)(attrs) == pytest.approx(57.3)
+
+
+def test_a_run_stopped_at_the_limit_has_spent_no_attempt(payloads, capsys):
+    """The 188-step run stopped at the limit as above, then in the next command (no limit) its process dies once:
+    that is its first failed attempt of two, and it is queued again and trains; the stop counted as an attempt
+    would leave it out after this one failure."""
+    order = [queue.run_id(t) for t in _queued(payloads)]
+    slow = order[1]
+    seconds = lambda r: 10.0 + 0.1 * r["steps"] * (3 if r["run_id"] == slow else 1)  # noqa: E731
+    study, _ = _drain(payloads, seconds, 100.0)
+    capsys.readouterr()
+    _, pool = _drain(payloads, seconds, None, study=study, fails={slow})
+    out = capsys.readouterr().out
+    assert "attempt 1 of 2 failed: worker died (signal 9); queued again" in out and "(attempt 2 of 2)" in out, out
+    assert slow in [r for r, _, _ in pool.log]
+    assert [queue.run_id(t) for t in queue.trials(study, TrialState.FAIL) if queue.attempt_failed(t)] == [slow]
 
 
 def _queued(payloads) -> list:

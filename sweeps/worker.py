@@ -79,7 +79,8 @@ class Drain:
         retries: attempts after the first for a run whose fit raised or whose process died.
         on_done: called with (study, row, RunResult) once the storage holds a finished run (the local sweep
             stores it in its database); then the run's checkpoints are dropped (or its last one kept).
-        on_stop: called with the seconds a run trained when the time limit stopped it (its device time, lost).
+        on_stop: called with the seconds a run trained and why it stopped unfinished ("time limit", or
+            "interrupted": Ctrl-C, SIGTERM, a fault) when the drain stopped it (its device time, lost).
         inline: train in this process (one slot): exceptions propagate as they would without a queue.
         ranks: (TCP store, number of other ranks) of a launch with several ranks (srun, torchrun) when this is its
             rank 0: each run is trained in this process together with the other ranks (``pool.Ranks``).
@@ -100,7 +101,7 @@ class Drain:
     log_root: Path | None = None
     retries: int = 1
     on_done: Callable[[optuna.Study, dict, Any], None] | None = None
-    on_stop: Callable[[float], None] | None = None
+    on_stop: Callable[[float, str], None] | None = None
     inline: bool = False
     ranks: tuple[Any, int] | None = None
     progress: Progress = field(default_factory=lambda: Progress(shown=False))
@@ -114,6 +115,7 @@ class Drain:
         n = sum(len(queue.trials(s, TrialState.WAITING)) for s in self.studies)
         running: dict[str, tuple[optuna.Study, optuna.Trial, Any]] = {}  # run_id -> study, trial, RunConfig
         index: dict[str, int] = {}
+        since: dict[str, float] = {}  # run_id -> when it was handed to the pool
         failed: dict[str, str] = {}
         beat = None
         if beats := [b for s in self.studies if (b := queue.heartbeat(s._storage))]:
@@ -142,6 +144,7 @@ class Drain:
                             self.progress.line(f"[{i}/{max(n, i)}] {header(trial.user_attrs['run']['row'])}{note}")
                             run = queue.decode_run(trial.user_attrs["run"], self.train, self.ckpt_root, self.log_root)
                             running[rid] = (study, trial, run)
+                            since[rid] = time.monotonic()
                             pool.submit(rid, run)
                         self.progress.left(*self._left(running))
                         if not running:
@@ -157,8 +160,10 @@ class Drain:
                         elif self.deadline is not None and self.deadline.left() <= 0:
                             self._stop(pool, running, index, n)
                 except BaseException:  # Ctrl-C, SIGTERM, a store error: unfinished runs leave no row, queued again
-                    for study, trial, _ in running.values():
+                    for rid, (study, trial, _) in running.items():
                         queue.interrupted(study, trial)
+                        if self.on_stop is not None and rid in since:
+                            self.on_stop(time.monotonic() - since[rid], "interrupted")
                     raise
         finally:
             if beat:
@@ -179,7 +184,7 @@ class Drain:
             line = f"still training at the time limit after {seconds:.0f}s: stopped, queued again"
             self.progress.line(f"    [{i}/{max(n, i)}] {line}")
             if self.on_stop is not None:
-                self.on_stop(seconds)
+                self.on_stop(seconds, "time limit")
 
     def _next(self, alone: bool) -> tuple[optuna.Study, optuna.Trial] | None:
         """A queued run to start here; ``alone``: nothing trains here, so one queued to train alone may start."""

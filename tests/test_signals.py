@@ -74,10 +74,12 @@ def test_signal_in_training_exits_130_and_resumes(tmp_path, cli, cli_env, uninte
         rows = con.execute("SELECT run_id, d_model FROM runs").fetchall()
         curves = {r[0] for r in con.execute("SELECT DISTINCT run_id FROM curves").fetchall()}
         used = con.execute("SELECT runs, parts->>'interrupted' FROM sweep_usage").fetchall()
+        (lost,) = con.execute("SELECT (parts->>'runs interrupted unfinished')::DOUBLE FROM sweep_usage").fetchone()
     finally:
         con.close()
     assert [d for _, d in rows] == [32] and curves == {rows[0][0]}  # the first run whole, nothing of the second
     assert used == [(1, "true")]  # the stopped command's device time is kept, marked
+    assert 0.4 < lost < 60, lost  # the second run's time until the signal (sent 0.5 s after its start line): lost
 
     r = cli("sweeps", "isoflop", "--db", str(db), *GRID)
     assert r.returncode == 0, r.stderr

@@ -321,8 +321,14 @@ def test_usage_says_a_command_stopped_at_its_time_limit():
     assert stopped.endswith("(stopped at its time limit, before its report)"), stopped
     assert usage.lines(used.row(now=10.0, stopped="interrupted"))[0].endswith("(interrupted before its report)")
     assert "before its report" not in usage.lines(used.row(now=10.0))[0]
-    assert usage.CUT not in usage.lines(used.row(now=10.0))[1]  # shown where a run was stopped
+    cut, lost = usage.CUT["time limit"], usage.CUT["interrupted"]
+    assert cut not in usage.lines(used.row(now=10.0))[1] and lost not in usage.lines(used.row(now=10.0))[1]
     used.cut(2.0)  # a run stopped after 2 s of its slot's 8: its time moves out of "idle or between runs"
     row = used.row(now=10.0, stopped="time limit")
-    assert row["parts"][usage.CUT] == 2.0 and sum(row["parts"][k] for k in usage.PARTS) == pytest.approx(10.0)
-    assert f"{usage.CUT} 20.0%" in usage.lines(row)[1], usage.lines(row)
+    assert row["parts"][cut] == 2.0 and sum(row["parts"][k] for k in usage.PARTS) == pytest.approx(10.0)
+    assert f"{cut} 20.0%" in usage.lines(row)[1] and lost not in usage.lines(row)[1], usage.lines(row)
+    used.cut(1.0, "interrupted")  # Ctrl-C after another 1 s of a run: lost too, not idle; no more runs "stopped"
+    row = used.row(now=10.0, stopped="interrupted")
+    assert row["parts"][lost] == 1.0 and row["parts"]["idle or between runs"] == pytest.approx(8 - 5 - 2 - 1)
+    assert sum(row["parts"][k] for k in usage.PARTS) == pytest.approx(10.0) and used.stopped == 1
+    assert f"{lost} 10.0%" in usage.lines(row)[1], usage.lines(row)

@@ -3,9 +3,9 @@ wall-clock, from the command's start to its report (wall x GPUs x per-GPU peak),
 
 The parts share the command's device time: start-up (interpreter, imports, plan, corpus, store) and analysis (fits,
 figures; up to the report) hold every device; each run's set-up, compilation and first steps (its fit time beyond
-its steady-state steps), steady-state steps and evaluation hold its slot, and so does a run that a time limit
-stopped unfinished (its slot's time until then, lost), the time between runs (queue, worker start, hand-over) and
-slots left idle. Slots that share a GPU (``sweep.workers_per_gpu``) each count as that share of it.
+its steady-state steps), steady-state steps and evaluation hold its slot, and so does a run stopped unfinished by a
+time limit or an interrupt (its slot's time until then, lost), the time between runs (queue, worker start,
+hand-over) and slots left idle. Slots that share a GPU (``sweep.workers_per_gpu``) each count as that share of it.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import os
 import time
 from dataclasses import dataclass, field
 
-CUT = "runs stopped at the time limit"
-PARTS = ("start-up", "run set-up", "compilation and first steps", "training steps", "evaluation", CUT,
+CUT = {"time limit": "runs stopped at the time limit", "interrupted": "runs interrupted unfinished"}  # why -> part
+PARTS = ("start-up", "run set-up", "compilation and first steps", "training steps", "evaluation", *CUT.values(),
          "idle or between runs", "analysis")  # fmt: skip
 STOPPED = {  # why a command ended before its report -> how its usage says so
     "interrupted": "interrupted before its report",  # Ctrl-C, SIGTERM, a fault
@@ -63,7 +63,7 @@ class Usage:
     peak: float | None = None
     runs: int = 0
     stopped: int = 0  # runs a time limit stopped unfinished
-    per_run: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS[1:6], 0.0))
+    per_run: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS[1 : 5 + len(CUT)], 0.0))
     mfu_flops: float = 0.0  # sum of MFU x FLOPs over the runs, for their FLOP-weighted mean MFU
 
     def add(self, metrics, tokens: int, train_flops: float, share: float = 1.0) -> None:
@@ -81,10 +81,12 @@ class Usage:
         if metrics.mfu is not None:
             self.mfu_flops += metrics.mfu * train_flops * share
 
-    def cut(self, seconds: float) -> None:
-        """A run that a time limit stopped after ``seconds`` in its slot, unfinished: no FLOPs, its time lost."""
-        self.per_run[CUT] += seconds
-        self.stopped += 1
+    def cut(self, seconds: float, why: str = "time limit") -> None:
+        """A run stopped after ``seconds`` in its slot, unfinished, by ``why`` (a key of ``CUT``): no FLOPs, its time
+        lost. A command whose only runs were interrupted records no row: no finished run gave its peak."""
+        self.per_run[CUT[why]] += seconds
+        if why == "time limit":
+            self.stopped += 1
 
     def row(self, now: float | None = None, stopped: str | None = None) -> dict:
         """The ``sweep_usage`` row up to ``now`` (default: this moment); parts in device-seconds, summing to
@@ -138,7 +140,7 @@ def lines(row: dict) -> list[str]:
             head += f" ({SHARED[parts['sharing']]})"
     shares = []
     for k in PARTS:
-        if k not in parts or (k == CUT and not parts[k]):  # stored before the part existed; none stopped
+        if k not in parts or (k in CUT.values() and not parts[k]):  # stored before the part existed; none stopped
             continue
         share = f"{k} {parts[k] / device_s:.1%}"
         if k == "training steps" and parts.get("runs_mfu") is not None:

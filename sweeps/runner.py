@@ -16,7 +16,7 @@ from mixdepth import results, usage
 from mixdepth.config import ConfigError, LabConfig, TrainConfig
 from mixdepth.data import load_corpus
 from mixdepth.launch import check_devices, resolve_device
-from mixdepth.train import RunConfig
+from mixdepth.train import RunConfig, peak_flops
 from sweeps import bracket, cost, mps, provenance, queue
 from sweeps.collect import collect_study
 from sweeps.deadline import TIME_LIMIT, Deadline
@@ -285,6 +285,8 @@ def _run(
 
     def record_usage(stopped: str | None = None) -> None:  # at the report (which then states it), or at a stop
         if used.runs or used.stopped:
+            if used.gpus and used.peak is None:  # no run finished here to give its peak: the device's own
+                used.peak = peak_flops(lab.train, *resolve_device(lab.train))
             measured.append(used.row(stopped=stopped))
             with store.session() as con:
                 results.put_usage(con, measured[-1])

@@ -304,6 +304,36 @@ def test_a_sweep_stops_runs_still_training_at_its_limit_and_ends_there(cli, tmp_
     assert len(again) == 4 and not any(STOPPED_S in a for a in again), again
 
 
+def test_a_gpu_command_whose_every_run_was_stopped_still_knows_its_peak(tmp_path, cli_env):
+    """No run finished to give the peak, yet the command's device time counts: its row takes the device's peak
+    (here the config's, with one GPU stood in for the CPU), so the sweep's utilisation stays a number (0%) rather
+    than unknown for every command pooled with it."""
+    import subprocess
+    import sys
+
+    from mixdepth import results
+
+    db = tmp_path / "r.db"
+    argv = ["isoflop", "--db", str(db), "--time-limit", "15", *SMALL]
+    argv += ["sweep.budgets=[1e12]", "sweep.workers=2", "train.peak_flops=1e12"]
+    code = "; ".join([
+        "import sys",
+        "from sweeps import runner",
+        "runner.n_gpus = lambda train, slots: 1",
+        "from sweeps.__main__ import main",
+        "sys.exit(main(sys.argv[1:]))",
+    ])  # fmt: skip
+    r = subprocess.run([sys.executable, "-c", code, *argv], cwd=tmp_path, capture_output=True, text=True, env=cli_env)
+    assert r.returncode == TIME_LIMIT and "still training at the time limit" in r.stdout, r.stderr[-2000:]
+    con = results.connect(db, read_only=True)
+    try:
+        (row,) = con.execute("SELECT runs, peak_flops, utilisation, parts->>'stopped' FROM sweep_usage").fetchall()
+        ((utilisation, _, commands),) = results.sweep_utilisation(con).values()
+    finally:
+        con.close()
+    assert row == (0, 1e12, 0.0, "time limit") and (utilisation, commands) == (0.0, 1), (row, utilisation)
+
+
 @pytest.mark.parametrize("extra", [["--time-limit", "0"], ["--time-limit", "5x"], ["--time-limit", "9", "--dry-run"]])
 def test_a_bad_time_limit_is_one_line_and_writes_nothing(cli, tmp_path, extra):
     r = cli("sweeps", "isoflop", "--db", str(tmp_path / "r.db"), *extra, *SMALL)

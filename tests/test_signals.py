@@ -87,6 +87,27 @@ def test_signal_in_training_exits_130_and_resumes(tmp_path, cli, cli_env, uninte
     assert val_losses(db) == uninterrupted
 
 
+def test_a_command_interrupted_in_its_first_run_keeps_its_device_time(tmp_path, cli_env):
+    """Ctrl-C before any run finished: no run row, but the command's usage row, with the run's time until then as
+    lost (runs interrupted unfinished), not idle."""
+    db = tmp_path / "results.db"
+    p = start(db, "[1/2]", cli_env)
+    time.sleep(0.5)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130, (p.returncode, err)
+    con = results.connect(db, read_only=True)
+    try:
+        assert con.execute("SELECT count(*) FROM runs").fetchone() == (0,)
+        (row,) = con.execute(
+            "SELECT runs, parts->>'stopped', (parts->>'runs interrupted unfinished')::DOUBLE,"
+            " (parts->>'idle or between runs')::DOUBLE FROM sweep_usage"
+        ).fetchall()
+    finally:
+        con.close()
+    assert row[:2] == (0, "interrupted") and 0.4 < row[2] < 60 and row[3] < row[2], row
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_sigterm_to_a_worker_in_training_is_its_death_without_a_traceback(tmp_path, cli_env):
     """``timeout`` and ``scancel`` signal every process of the command; a worker that gets SIGTERM in the

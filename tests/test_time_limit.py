@@ -357,8 +357,8 @@ def test_usage_says_a_command_stopped_at_its_time_limit():
     row = used.row(now=10.0, stopped="time limit")
     assert row["parts"][cut] == 2.0 and sum(row["parts"][k] for k in usage.PARTS) == pytest.approx(10.0)
     assert f"{cut} 20.0%" in usage.lines(row)[1] and lost not in usage.lines(row)[1], usage.lines(row)
-    used.cut(1.0, "interrupted")  # Ctrl-C after another 1 s of a run: lost too, not idle; no more runs "stopped"
+    used.cut(1.0, "interrupted")  # Ctrl-C after another 1 s of a run: lost too, not idle
     row = used.row(now=10.0, stopped="interrupted")
     assert row["parts"][lost] == 1.0 and row["parts"]["idle or between runs"] == pytest.approx(8 - 5 - 2 - 1)
-    assert sum(row["parts"][k] for k in usage.PARTS) == pytest.approx(10.0) and used.stopped == 1
+    assert sum(row["parts"][k] for k in usage.PARTS) == pytest.approx(10.0) and used.stopped == 2
     assert f"{lost} 10.0%" in usage.lines(row)[1], usage.lines(row)

@@ -62,7 +62,7 @@ class Usage:
     flops: float = 0.0
     peak: float | None = None
     runs: int = 0
-    stopped: int = 0  # runs a time limit stopped unfinished
+    stopped: int = 0  # runs stopped unfinished (a time limit, an interrupt): the command used its device
     per_run: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS[1 : 5 + len(CUT)], 0.0))
     mfu_flops: float = 0.0  # sum of MFU x FLOPs over the runs, for their FLOP-weighted mean MFU
 
@@ -83,10 +83,9 @@ class Usage:
 
     def cut(self, seconds: float, why: str = "time limit") -> None:
         """A run stopped after ``seconds`` in its slot, unfinished, by ``why`` (a key of ``CUT``): no FLOPs, its time
-        lost. A command whose only runs were interrupted records no row: no finished run gave its peak."""
+        lost."""
         self.per_run[CUT[why]] += seconds
-        if why == "time limit":
-            self.stopped += 1
+        self.stopped += 1
 
     def row(self, now: float | None = None, stopped: str | None = None) -> dict:
         """The ``sweep_usage`` row up to ``now`` (default: this moment); parts in device-seconds, summing to

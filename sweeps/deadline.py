@@ -30,6 +30,11 @@ process too) and queued again, and the command ends as at any time limit. Its ti
 (``train.ckpt_every``): then the next command resumes it from its last checkpoint. A stopped run that does not is
 predicted at least as long as it trained (``STOPPED_S``; it had not ended), so the rerun does not start it into the
 same stop. A launch of several ranks (``srun``, ``torchrun``) trains in its own processes and is not stopped.
+
+A run that checkpoints is predicted for the steps left after the checkpoint it resumes from, and may start though it
+would not end in time, after every run that would, once its next checkpoint is predicted within the limit: it trains
+across commands (a run longer than a whole command, or a sweep's last runs in the commands' empty slots), losing at
+each stop only the steps since its newest checkpoint.
 """
 
 from __future__ import annotations
@@ -65,6 +70,11 @@ def parse(text: str) -> float:
 
 def _shape(row: dict) -> tuple:
     return row["sweep_id"], row["arch"], row["d_model"], row["n_layers"], row["batch_size"], row["seq_len"]
+
+
+def part(row: dict, steps: int) -> dict:
+    """The row of ``steps`` of run ``row``'s steps: its training FLOPs in proportion."""
+    return {**row, "steps": steps, "train_flops": row["train_flops"] * steps / row["steps"]}
 
 
 def _fixed(row: dict) -> float:
@@ -105,16 +115,29 @@ def predictor(finished: Iterable[dict]) -> Callable[[dict], float | None]:
     return seconds
 
 
-def estimator(finished: Iterable[dict]) -> Callable[[dict], float | None]:
-    """``seconds(attrs)``: a queued trial's predicted seconds from its user attributes: its run's (``predictor``),
-    and at least as long as a time limit let it train unfinished (``STOPPED_S``)."""
+def no_checkpoints(attrs: dict) -> tuple[int, int]:
+    """``saved`` of runs that keep no checkpoints: (interval 0, no step saved)."""
+    return 0, 0
+
+
+def estimator(
+    finished: Iterable[dict], saved: Callable[[dict], tuple[int, int]] = no_checkpoints
+) -> Callable[[dict], tuple[float | None, float | None]]:
+    """``times(attrs)``: a queued trial's predicted seconds (from its user attributes and the ``finished`` runs,
+    ``predictor``) to its end and to its next checkpoint (None when it keeps none), counted from the step it would
+    resume from; its end at least as long as a time limit let it train unfinished (``STOPPED_S``). ``saved(attrs)``:
+    the run's checkpoint interval in steps (0: none) and the step of the checkpoint it would resume from."""
     seconds = predictor(finished)
 
-    def of(attrs: dict) -> float | None:
-        s, ran = seconds(attrs["run"]["row"]), attrs.get(STOPPED_S)
-        return s if ran is None else max(s or 0.0, ran)
+    def times(attrs: dict) -> tuple[float | None, float | None]:
+        row, (every, done) = attrs["run"]["row"], saved(attrs)
+        steps = row["steps"] - done
+        end = seconds(part(row, steps) if done else row)
+        if (ran := attrs.get(STOPPED_S)) is not None:
+            end = max(end or 0.0, ran)
+        return end, seconds(part(row, min(every, steps))) if every else None
 
-    return of
+    return times
 
 
 @dataclass(frozen=True)
@@ -128,35 +151,46 @@ class Deadline:
     def left(self) -> float:
         return self.start + self.limit - self.clock()
 
-    def order(self, finished: Iterable[dict]) -> Callable[[dict], float | None]:
-        """``key(attrs)`` of a queued trial's user attributes: None when its run, started now, is not predicted (from
-        ``finished``, ``estimator``) to end in time; else its place among those that are: the longest predicted
-        first (an unpredicted one before all), so the runs that need most of the time left start while they still
-        fit."""
-        seconds = estimator(finished)
+    def order(
+        self, finished: Iterable[dict], saved: Callable[[dict], tuple[int, int]] = no_checkpoints
+    ) -> Callable[[dict], float | None]:
+        """``key(attrs)`` of a queued trial's user attributes: None when its run, started now, is predicted (from
+        ``finished`` and ``saved``, ``estimator``) neither to end in time nor to reach its next checkpoint; else its
+        place: the longest of those predicted to end in time first (an unpredicted one before all), so the runs that
+        need most of the time left start while they still fit, then those that only checkpoint in time, the shortest
+        first."""
+        times = estimator(finished, saved)
 
         def key(attrs: dict) -> float | None:
             left = self.left()
-            s = seconds(attrs)
-            if left <= 0 or (s is not None and MARGIN * s > left):
+            if left <= 0:
                 return None
-            return -math.inf if s is None else -s
+            end, checkpoint = times(attrs)
+            if end is None or MARGIN * end <= left:
+                return -math.inf if end is None else -end
+            return end if checkpoint is not None and MARGIN * checkpoint <= left else None
 
         return key
 
-    def held(self, queued: list[dict], finished: Iterable[dict]) -> str:
+    def held(
+        self, queued: list[dict], finished: Iterable[dict], saved: Callable[[dict], tuple[int, int]] = no_checkpoints
+    ) -> str:
         """The line of a command that ends with the trials ``queued`` (their user attributes) still queued, none of
-        which would end in time (predicted from ``finished``): rerun to resume, or, where even the shortest is
-        predicted longer than a whole command of this limit, that rerunning it would start none."""
-        n, seconds = len(queued), estimator(finished)
+        which would end, or reach its next checkpoint, in time (``order``): rerun to resume, or, where even the
+        soonest is predicted longer than a whole command of this limit, that rerunning it would start none."""
+        n, times = len(queued), estimator(finished, saved)
+        pairs = [times(attrs) for attrs in queued]  # (to its end, to its next checkpoint) of each
+        keeps = any(c is not None for _, c in pairs)
         line = (
-            f"time limit: {n} run{'s' * (n > 1)} still queued, none predicted to end within the"
-            f" {max(0.0, self.left()):.0f} s left of {self.limit:g} s"
+            f"time limit: {n} run{'s' * (n > 1)} still queued, none predicted to end"
+            f"{' or reach its next checkpoint' * keeps} within the {max(0.0, self.left()):.0f} s left of"
+            f" {self.limit:g} s"
         )
-        predicted = [s for attrs in queued if (s := seconds(attrs)) is not None]
-        if len(predicted) == n and MARGIN * min(predicted) > self.limit:
+        soonest = [e if c is None else c for e, c in pairs]  # what a whole command must hold to start each usefully
+        if soonest and None not in soonest and MARGIN * min(soonest) > self.limit:
             return (
-                f"{line}; the shortest is predicted at {min(predicted):.0f} s (x {MARGIN:g} margin), more than a whole"
+                f"{line}; the shortest is predicted at {min(soonest):.0f} s (x {MARGIN:g} margin), more than a whole"
                 f" command of {self.limit:g} s: rerun with a longer --time-limit or without one"
+                + ("" if keeps else ", or with train.ckpt_every=N to train such runs across commands")
             )
         return f"{line}; rerun the same command to resume"

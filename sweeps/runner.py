@@ -25,7 +25,7 @@ from sweeps.paths import SweepPaths
 from sweeps.plan import Trial, plan, sweep_id, table
 from sweeps.pool import Pool
 from sweeps.progress import Progress
-from sweeps.worker import Drain, slot_gpus
+from sweeps.worker import Drain, checkpointed, slot_gpus
 
 
 def plan_row(sid: str, trial: Trial, lab: LabConfig) -> dict:
@@ -361,7 +361,7 @@ def _run(
         record_usage(stopped="time limit")
         for row in measured:
             print("\n".join(usage.lines(row)))
-        print(deadline.held(waiting, queue.finished_rows([study])))
+        print(deadline.held(waiting, queue.finished_rows([study]), checkpointed(host, paths.checkpoints)))
         if gave_up:
             print(gave_up, file=sys.stderr)
         return 1 if gave_up else TIME_LIMIT

@@ -27,6 +27,7 @@ import optuna
 import torch
 from optuna.trial import TrialState
 
+from mixdepth.checkpoints import saved_step
 from mixdepth.config import ConfigError, TrainConfig
 from mixdepth.launch import check_devices, cluster, resolve_device
 from sweeps import queue
@@ -79,8 +80,9 @@ class Drain:
         retries: attempts after the first for a run whose fit raised or whose process died.
         on_done: called with (study, row, RunResult) once the storage holds a finished run (the local sweep
             stores it in its database); then the run's checkpoints are dropped (or its last one kept).
-        on_stop: called with the seconds a run trained and why it stopped unfinished ("time limit", or
-            "interrupted": Ctrl-C, SIGTERM, a fault) when the drain stopped it (its device time, lost).
+        on_stop: called with the seconds a run trained, why it stopped unfinished ("time limit", or "interrupted":
+            Ctrl-C, SIGTERM, a fault) and the training FLOPs its newest checkpoint keeps of them, when the drain
+            stopped it.
         inline: train in this process (one slot): exceptions propagate as they would without a queue.
         ranks: (TCP store, number of other ranks) of a launch with several ranks (srun, torchrun) when this is its
             rank 0: each run is trained in this process together with the other ranks (``pool.Ranks``).
@@ -101,7 +103,7 @@ class Drain:
     log_root: Path | None = None
     retries: int = 1
     on_done: Callable[[optuna.Study, dict, Any], None] | None = None
-    on_stop: Callable[[float, str], None] | None = None
+    on_stop: Callable[[float, str, float], None] | None = None
     inline: bool = False
     ranks: tuple[Any, int] | None = None
     progress: Progress = field(default_factory=lambda: Progress(shown=False))
@@ -115,7 +117,7 @@ class Drain:
         n = sum(len(queue.trials(s, TrialState.WAITING)) for s in self.studies)
         running: dict[str, tuple[optuna.Study, optuna.Trial, Any]] = {}  # run_id -> study, trial, RunConfig
         index: dict[str, int] = {}
-        since: dict[str, float] = {}  # run_id -> when it was handed to the pool
+        since: dict[str, tuple[float, int]] = {}  # run_id -> when it was handed to the pool, its step saved then
         failed: dict[str, str] = {}
         beat = None
         if beats := [b for s in self.studies if (b := queue.heartbeat(s._storage))]:
@@ -144,7 +146,7 @@ class Drain:
                             self.progress.line(f"[{i}/{max(n, i)}] {header(trial.user_attrs['run']['row'])}{note}")
                             run = queue.decode_run(trial.user_attrs["run"], self.train, self.ckpt_root, self.log_root)
                             running[rid] = (study, trial, run)
-                            since[rid] = time.monotonic()
+                            since[rid] = time.monotonic(), resumes_at(run)
                             pool.submit(rid, run)
                         self.progress.left(*self._left(running))
                         if not running:
@@ -158,12 +160,12 @@ class Drain:
                         if ended is not None:
                             self._ended(*ended, running, index, n, failed)
                         elif self.deadline is not None and self.deadline.left() <= 0:
-                            self._stop(pool, running, index, n)
+                            self._stop(pool, running, index, n, since)
                 except BaseException:  # Ctrl-C, SIGTERM, a store error: unfinished runs leave no row, queued again
-                    for rid, (study, trial, _) in running.items():
+                    for rid, (study, trial, run) in running.items():
                         queue.interrupted(study, trial)
-                        if self.on_stop is not None and rid in since:
-                            self.on_stop(time.monotonic() - since[rid], "interrupted")
+                        if rid in since:
+                            self._cut(trial, run, time.monotonic() - since[rid][0], "interrupted", since[rid][1])
                     raise
         finally:
             if beat:
@@ -174,7 +176,7 @@ class Drain:
         waits = ([IDLE_POLL_S] if beating else []) + ([max(0.0, self.deadline.left())] if self.deadline else [])
         return min(waits, default=None)
 
-    def _stop(self, pool: Pool, running: dict, index: dict, n: int) -> None:
+    def _stop(self, pool: Pool, running: dict, index: dict, n: int, since: dict) -> None:
         """The time limit has passed with runs still training here: stop them and queue each again, predicted at
         least as long as it trained unless it resumes from a checkpoint (``sweeps.deadline``)."""
         for rid, seconds in pool.stop():
@@ -183,14 +185,21 @@ class Drain:
             i = index[rid]
             line = f"still training at the time limit after {seconds:.0f}s: stopped, queued again"
             self.progress.line(f"    [{i}/{max(n, i)}] {line}")
-            if self.on_stop is not None:
-                self.on_stop(seconds, "time limit")
+            self._cut(trial, run, seconds, "time limit", since[rid][1])
+
+    def _cut(self, trial: optuna.Trial, run: Any, seconds: float, why: str, step: int) -> None:
+        """Tell ``on_stop`` of a run stopped unfinished after ``seconds``, with the FLOPs its checkpoints kept of
+        them: from ``step``, saved when it started here, to its newest (none before its RunConfig ``run`` was)."""
+        if self.on_stop is not None:
+            row = trial.user_attrs["run"]["row"]
+            kept = max(0, resumes_at(run) - step) if run is not None else 0
+            self.on_stop(seconds, why, row["train_flops"] * kept / row["steps"])
 
     def _next(self, alone: bool) -> tuple[optuna.Study, optuna.Trial] | None:
         """A queued run to start here; ``alone``: nothing trains here, so one queued to train alone may start."""
         order = None
         if self.deadline is not None:  # predicted from every finished run of the studies, this drain's included
-            order = self.deadline.order(queue.finished_rows(self.studies))
+            order = self.deadline.order(queue.finished_rows(self.studies), checkpointed(self.train, self.ckpt_root))
         for study in self.studies:
             optuna.storages.fail_stale_trials(study)  # RDB: runs of dead hosts, queued again by the retry callback
             if (trial := queue.pop(study, order, alone)) is not None:
@@ -273,6 +282,22 @@ def slot_gpus(train: TrainConfig, workers: int, per_gpu: int = 1) -> list[str]:
     return [",".join(ids[(i // per_gpu) * per : (i // per_gpu + 1) * per]) for i in range(workers)]
 
 
+def resumes_at(run: Any) -> int:
+    """The step of the checkpoint a RunConfig ``run`` would resume from (0: none, or it keeps none)."""
+    return saved_step(Path(run.ckpt_dir)) if run.ckpt_dir else 0
+
+
+def checkpointed(train: dict[str, Any], ckpt_root: Path | None) -> Callable[[dict], tuple[int, int]]:
+    """``saved(attrs)`` of ``sweeps.deadline`` on a host with these ``train`` keys and checkpoint root (``Drain``):
+    a queued run's checkpoint interval in steps (0: it keeps none here) and the step it would resume from."""
+
+    def saved(attrs: dict) -> tuple[int, int]:
+        run = queue.decode_run(attrs["run"], train, ckpt_root)
+        return (run.train.ckpt_every if run.ckpt_dir else 0), resumes_at(run)
+
+    return saved
+
+
 # A worker's own train keys, over a queued run's: where and how it trains, never what.
 HOST_KEYS = (
     "accelerator",
@@ -352,12 +377,13 @@ def serve(where: str, sweep: str | None, workers: int, overrides: list[str], tim
     with Progress() as bar:
         if bar.shown:  # the worker's bar replaces Lightning's per-run one: both would draw on this terminal
             host = {"progress": False, **host}
+        ckpt_root = Path("checkpoints").absolute()
         failed = Drain(
             studies=studies,
             slots=workers,
             gpus=gpus,
             train=host,
-            ckpt_root=Path("checkpoints").absolute(),
+            ckpt_root=ckpt_root,
             log_root=Path("logs").absolute(),
             retries=retries,
             ranks=ranks,
@@ -367,7 +393,8 @@ def serve(where: str, sweep: str | None, workers: int, overrides: list[str], tim
     waiting = queue.waiting(studies) if deadline else []
     held = len(waiting)
     if held:
-        print(f"{deadline.held(waiting, queue.finished_rows(studies))}; done in {time.perf_counter() - start:.0f}s")
+        line = deadline.held(waiting, queue.finished_rows(studies), checkpointed(host, ckpt_root))
+        print(f"{line}; done in {time.perf_counter() - start:.0f}s")
     else:
         print(f"no runs left: done in {time.perf_counter() - start:.0f}s")
     if failed:

@@ -19,7 +19,7 @@ import pytest
 import torch
 from lightning.pytorch import Callback
 
-from mixdepth.checkpoints import FINAL, STATE, finish_checkpoints, load_model
+from mixdepth.checkpoints import FINAL, STATE, finish_checkpoints, load_model, saved_step
 from mixdepth.config import DataConfig, TrainConfig
 from mixdepth.lit import LitLM, LMDataModule
 from mixdepth.models import MODELS
@@ -101,6 +101,7 @@ def test_sigkill_after_a_checkpoint_then_rerun_resumes_to_the_uninterrupted_run(
     for arch, names in saved.items():
         assert len(names) == 1 and names[0].startswith("step="), names  # the newest checkpoint only
         assert int(names[0][5:-5]) < STEPS[arch], names  # killed before the end: the rerun has steps to train
+        assert saved_step(folders[arch]) == int(names[0][5:-5])  # what a time limit's scheduler reads
 
     args = [str(x) for arch, d in folders.items() for x in (arch, d)]
     r = subprocess.run([sys.executable, "-c", CHILD, *args], env=cli_env, capture_output=True, text=True, timeout=600)
@@ -129,6 +130,19 @@ def held_out_loss(model: torch.nn.Module) -> float:
     finally:
         torch.set_num_threads(threads)
     return lit.val_metrics["val_loss"]
+
+
+def test_saved_step_is_the_newest_checkpoints_when_its_name_says_it_and_prunes_nothing(tmp_path):
+    import os
+
+    assert saved_step(tmp_path / "none") == 0 and saved_step(tmp_path) == 0
+    for i, name in enumerate(["step=10.ckpt", "step=30.ckpt", "step=20.ckpt"]):
+        (tmp_path / name).write_bytes(b"")
+        os.utime(tmp_path / name, ns=(i * 10**9, i * 10**9))
+    assert saved_step(tmp_path) == 20 and len(list(tmp_path.iterdir())) == 3  # the newest by time, as resumed
+    (tmp_path / "hpc_ckpt_1.ckpt").write_bytes(b"")
+    os.utime(tmp_path / "hpc_ckpt_1.ckpt", ns=(9 * 10**9, 9 * 10**9))
+    assert saved_step(tmp_path) == 0  # its step is inside the file: counted as none
 
 
 def test_keep_ckpt_leaves_final_weights_that_load_without_lightning(tmp_path, uninterrupted):

@@ -90,10 +90,32 @@ def test_a_run_fits_when_its_margin_of_prediction_is_within_the_time_left_longes
 
 
 def test_a_run_a_time_limit_stopped_is_predicted_at_least_as_long_as_it_trained():
-    seconds = estimator([done(97.0, steps=1000)])  # 0.097 s a step, 3 s outside them
-    assert seconds(queued(row(steps=1000), **{STOPPED_S: 250.0})) == 250.0  # unfinished after 250 s
-    assert seconds(queued(row(steps=1000), **{STOPPED_S: 50.0})) == pytest.approx(100.0)  # the longer prediction
-    assert estimator([])(queued(row(), **{STOPPED_S: 50.0})) == 50.0  # nothing finished: still not shorter
+    times = estimator([done(97.0, steps=1000)])  # 0.097 s a step, 3 s outside them
+    assert times(queued(row(steps=1000), **{STOPPED_S: 250.0})) == (250.0, None)  # unfinished after 250 s
+    assert times(queued(row(steps=1000), **{STOPPED_S: 50.0}))[0] == pytest.approx(100.0)  # the longer prediction
+    assert estimator([])(queued(row(), **{STOPPED_S: 50.0})) == (50.0, None)  # nothing finished: still not shorter
+
+
+def test_a_run_that_checkpoints_starts_after_those_that_fit_when_its_next_checkpoint_does():
+    """300 s left; 0.097 s a step and 3 s outside them. A 4,000-step run (391 s) does not fit: keeping no
+    checkpoints it waits, checkpointing every 500 steps (51.5 s to the first) it starts after every run that fits,
+    the shortest first; resumed at step 1,000 it is predicted for the 3,000 steps left (294 s: still over with the
+    margin), at step 2,000 for 2,000 (197 s: it fits). With 50 s left its next checkpoint does not fit either."""
+    now = [100.0]
+    limit = Deadline(start=0.0, limit=400.0, clock=lambda: now[0])
+    finished = [done(97.0, steps=1000)]
+    long = queued(row(steps=4000))
+    assert limit.order(finished)(long) is None
+    assert limit.order(finished, lambda attrs: (500, 0))(long) == pytest.approx(391.0)
+    assert limit.order(finished, lambda attrs: (500, 1000))(long) == pytest.approx(294.0)
+    assert limit.order(finished, lambda attrs: (500, 2000))(long) == pytest.approx(-197.0)
+    assert estimator(finished, lambda attrs: (500, 2000))(long) == (pytest.approx(197.0), pytest.approx(51.5))
+    assert limit.order(finished, lambda attrs: (5000, 0))(long) is None  # its first checkpoint is past its end
+    now[0] = 350.0
+    assert limit.order(finished, lambda attrs: (500, 0))(long) is None
+    line = limit.held([long], finished, lambda attrs: (500, 0))
+    assert line.startswith("time limit: 1 run still queued, none predicted to end or reach its next checkpoint")
+    assert line.endswith("rerun the same command to resume"), line
 
 
 def test_the_stop_line_says_whether_a_rerun_can_start_the_queued_runs():
@@ -110,8 +132,9 @@ def test_the_stop_line_says_whether_a_rerun_can_start_the_queued_runs():
     line = limit.held([queued(never)], finished)
     assert line.endswith(
         f"; the shortest is predicted at 391 s (x {MARGIN:g} margin), more than a whole command of 400 s: rerun with a"
-        " longer --time-limit or without one"
+        " longer --time-limit or without one, or with train.ckpt_every=N to train such runs across commands"
     ), line
+    assert limit.held([queued(never)], finished, lambda attrs: (5000, 0)).endswith("--time-limit or without one")
 
 
 @pytest.mark.parametrize("text,seconds", [("540", 540.0), ("9m", 540.0), ("1.5h", 5400.0), ("30s", 30.0)])
@@ -172,8 +195,9 @@ class Simulated:
         return self.stopped[-1:]
 
 
-def _drain(payloads, seconds, limit: float | None, on_stop=None, study=None, fails: set[str] = frozenset()):
-    """Drain ``study`` (default: a new one with the payloads queued) on the simulated clock; every run trains."""
+def _drain(payloads, seconds, limit: float | None, on_stop=None, study=None, fails: set[str] = frozenset(), **drain):
+    """Drain ``study`` (default: a new one with the payloads queued) on the simulated clock (``Drain`` keys
+    ``drain``); every run trains."""
     from sweeps.worker import Drain
 
     if study is None:
@@ -181,7 +205,7 @@ def _drain(payloads, seconds, limit: float | None, on_stop=None, study=None, fai
         queue.enqueue(study, payloads)
     pool = Simulated(seconds, {p["row"]["run_id"]: p["row"] for p in payloads}, fails)
     deadline = None if limit is None else Deadline(start=0.0, limit=limit, clock=lambda: pool.now)
-    assert Drain(studies=[study], pool=pool, deadline=deadline, on_stop=on_stop).run() == {}
+    assert Drain(studies=[study], pool=pool, deadline=deadline, on_stop=on_stop, **drain).run() == {}
     assert pool.now <= (limit or float("inf")), pool.now  # the command ends within its limit
     return study, pool
 
@@ -212,9 +236,9 @@ def test_a_run_still_training_at_the_limit_is_stopped_and_queued_again_predicted
     slow = order[1]
     seconds = lambda r: 10.0 + 0.1 * r["steps"] * (3 if r["run_id"] == slow else 1)  # noqa: E731
     lost = []
-    study, pool = _drain(payloads, seconds, 100.0, on_stop=lost.append)
+    study, pool = _drain(payloads, seconds, 100.0, on_stop=lambda s, why, kept: lost.append((s, why, kept)))
     assert [r for r, _, _ in pool.log] == order[:1] and pool.now == pytest.approx(100.0)
-    assert pool.stopped == [(slow, pytest.approx(57.3))] and lost == [pytest.approx(57.3)]
+    assert pool.stopped == [(slow, pytest.approx(57.3))] and lost == [(pytest.approx(57.3), "time limit", 0.0)]
     again = queue.trials(study, TrialState.WAITING)
     assert sorted(queue.run_id(t) for t in again) == sorted(order[1:])
     attrs = next(t.user_attrs for t in again if queue.run_id(t) == slow)
@@ -223,7 +247,37 @@ def test_a_run_still_training_at_the_limit_is_stopped_and_queued_again_predicted
     assert [queue.run_id(t) for t in failed] == [slow] and not any(map(queue.attempt_failed, failed))
     first = queue.finished_rows([study])
     assert predictor(first)(attrs["run"]["row"]) == pytest.approx(42.7, abs=0.1)
-    assert estimator(first)(attrs) == pytest.approx(57.3)
+    assert estimator(first)(attrs) == (pytest.approx(57.3), None)
+
+
+def test_a_run_stopped_at_the_limit_keeps_the_flops_up_to_its_newest_checkpoint(payloads, tmp_path):
+    """As above, the 188-step run checkpointing every 50 steps: it started from its step-50 checkpoint and wrote
+    step 150 before the stop, so the stop keeps 100 of its 188 steps' FLOPs (the next command resumes there), and
+    it is queued again without the stopped seconds (it resumes: not priced by the stop)."""
+    order = [queue.run_id(t) for t in _queued(payloads)]
+    slow = order[1]
+    seconds = lambda r: 10.0 + 0.1 * r["steps"] * (3 if r["run_id"] == slow else 1)  # noqa: E731
+    (tmp_path / slow).mkdir()
+    (tmp_path / slow / "step=50.ckpt").write_bytes(b"")
+    real_stop = Simulated.stop
+
+    def stop(pool):  # the run wrote its step-150 checkpoint before the limit (the older one pruned)
+        (tmp_path / slow / "step=50.ckpt").unlink()
+        (tmp_path / slow / "step=150.ckpt").write_bytes(b"")
+        return real_stop(pool)
+
+    lost = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Simulated, "stop", stop)
+        study, pool = _drain(
+            payloads, seconds, 100.0, lambda s, why, kept: lost.append((s, why, kept)),
+            ckpt_root=tmp_path, train={"ckpt_every": 50},
+        )  # fmt: skip
+    flops = next(p["row"]["train_flops"] for p in payloads if p["row"]["run_id"] == slow)
+    assert pool.stopped == [(slow, pytest.approx(57.3))]
+    assert lost == [(pytest.approx(57.3), "time limit", pytest.approx(flops * 100 / 188))]
+    again = next(t for t in queue.trials(study, TrialState.WAITING) if queue.run_id(t) == slow)
+    assert STOPPED_S not in again.user_attrs
 
 
 def test_a_run_stopped_at_the_limit_has_spent_no_attempt(payloads, capsys):
@@ -289,7 +343,7 @@ def test_a_sweep_stops_runs_still_training_at_its_limit_and_ends_there(cli, tmp_
     assert took < 30 + 20, (took, r.stdout)  # the limit, the Python start before it is counted, the exit
     con = duckdb.connect(str(db), read_only=True)
     assert con.execute("SELECT count(*) FROM runs").fetchone() == (0,)
-    (parts,) = con.execute("SELECT parts FROM sweep_usage").fetchone()
+    parts, credited = con.execute("SELECT parts, train_flops FROM sweep_usage").fetchone()
     con.close()
     parts = json.loads(parts)
     assert parts["stopped"] == "time limit" and 0 < parts["runs stopped at the time limit"] < 30, parts
@@ -302,6 +356,11 @@ def test_a_sweep_stops_runs_still_training_at_its_limit_and_ends_there(cli, tmp_
         again = queue.waiting([queue.load(st, name)])
     assert {a["run"]["row"]["run_id"] for a in again} >= kept  # resumed from their checkpoints: not priced by the stop
     assert len(again) == 4 and not any(STOPPED_S in a for a in again), again
+    rows = {a["run"]["row"]["run_id"]: a["run"]["row"] for a in again}
+    saved = {p.parent.name: int(p.stem.split("=")[1]) for p in (tmp_path / "r_checkpoints").glob("*/step=*.ckpt")}
+    # the usage counts the steps the checkpoints keep, which the next command does not train again
+    assert credited == pytest.approx(sum(rows[r]["train_flops"] * k / rows[r]["steps"] for r, k in saved.items()))
+    assert credited > 0
 
 
 def test_a_gpu_command_whose_every_run_was_stopped_still_knows_its_peak(tmp_path, cli_env):

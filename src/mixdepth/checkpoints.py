@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -48,6 +49,14 @@ def resume_path(ckpt_dir: Path) -> Path | None:
     for old in found[:-1]:
         old.unlink(missing_ok=True)  # every rank of a DDP run prunes the same files
     return found[-1] if found else None
+
+
+def saved_step(ckpt_dir: Path) -> int:
+    """The step of the checkpoint a run would resume from (``resume_path``, nothing pruned) when its name says it
+    (``step=N``); 0 when there is none or its name does not (``hpc_ckpt_K``, ``final``)."""
+    found = max(ckpt_dir.glob("*.ckpt"), key=_mtime, default=None) if ckpt_dir.is_dir() else None
+    named = re.fullmatch(r"step=(\d+)\.ckpt", found.name) if found is not None else None
+    return int(named.group(1)) if named else 0
 
 
 def _mtime(p: Path) -> int:

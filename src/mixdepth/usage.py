@@ -1,10 +1,12 @@
 """Sweep utilisation: the training FLOPs one sweep command trained over what its GPUs could have done in its
-wall-clock, from the command's start to its report (wall x GPUs x per-GPU peak), and where the time went.
+wall-clock, from the command's start to its report (wall x GPUs x per-GPU peak), and where the time went. The
+FLOPs are each finished run's share trained in this command and, of a run stopped unfinished, those up to its
+newest checkpoint (a later command resumes from there): every step of a sweep's runs counts once over its commands.
 
 The parts share the command's device time: start-up (interpreter, imports, plan, corpus, store) and analysis (fits,
 figures; up to the report) hold every device; each run's set-up, compilation and first steps (its fit time beyond
 its steady-state steps), steady-state steps and evaluation hold its slot, and so does a run stopped unfinished by a
-time limit or an interrupt (its slot's time until then, lost), the time between runs (queue, worker start,
+time limit or an interrupt (its slot's time until then), the time between runs (queue, worker start,
 hand-over) and slots left idle. Slots that share a GPU (``sweep.workers_per_gpu``) each count as that share of it.
 """
 
@@ -59,7 +61,8 @@ class Usage:
     command: str | None = None
     training: float | None = None  # when the first run was handed out
     trained: float | None = None  # when the last run ended
-    flops: float = 0.0
+    flops: float = 0.0  # of the finished runs (their share trained in this command)
+    kept: float = 0.0  # of the runs stopped unfinished, up to their newest checkpoint: resumed, not trained again
     peak: float | None = None
     runs: int = 0
     stopped: int = 0  # runs stopped unfinished (a time limit, an interrupt): the command used its device
@@ -81,10 +84,11 @@ class Usage:
         if metrics.mfu is not None:
             self.mfu_flops += metrics.mfu * train_flops * share
 
-    def cut(self, seconds: float, why: str = "time limit") -> None:
-        """A run stopped after ``seconds`` in its slot, unfinished, by ``why`` (a key of ``CUT``): no FLOPs, its time
-        lost."""
+    def cut(self, seconds: float, why: str = "time limit", kept: float = 0.0) -> None:
+        """A run stopped after ``seconds`` in its slot, unfinished, by ``why`` (a key of ``CUT``), its checkpoints
+        keeping ``kept`` training FLOPs of them (the run resumes there; 0: its time is lost)."""
         self.per_run[CUT[why]] += seconds
+        self.kept += kept
         self.stopped += 1
 
     def row(self, now: float | None = None, stopped: str | None = None) -> dict:
@@ -109,9 +113,9 @@ class Usage:
             "wall_s": wall,
             "gpus": self.gpus,
             "peak_flops": self.peak if known else None,
-            "train_flops": self.flops,
+            "train_flops": self.flops + self.kept,
             "runs": self.runs,
-            "utilisation": self.flops / (wall * devices * self.peak) if known else None,
+            "utilisation": (self.flops + self.kept) / (wall * devices * self.peak) if known else None,
             "parts": {
                 **parts,
                 "runs_mfu": self.mfu_flops / self.flops if known and self.flops else None,

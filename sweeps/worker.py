@@ -80,9 +80,9 @@ class Drain:
         retries: attempts after the first for a run whose fit raised or whose process died.
         on_done: called with (study, row, RunResult) once the storage holds a finished run (the local sweep
             stores it in its database); then the run's checkpoints are dropped (or its last one kept).
-        on_stop: called with the seconds a run trained, why it stopped unfinished ("time limit", or "interrupted":
-            Ctrl-C, SIGTERM, a fault) and the training FLOPs its newest checkpoint keeps of them, when the drain
-            stopped it.
+        on_stop: called with the seconds a run trained, why it ended unfinished ("time limit"; "interrupted":
+            Ctrl-C, SIGTERM, a fault; "failed": an attempt that failed) and the training FLOPs its newest checkpoint
+            keeps of them.
         inline: train in this process (one slot): exceptions propagate as they would without a queue.
         ranks: (TCP store, number of other ranks) of a launch with several ranks (srun, torchrun) when this is its
             rank 0: each run is trained in this process together with the other ranks (``pool.Ranks``).
@@ -158,7 +158,7 @@ class Drain:
                             continue
                         ended = pool.wait(self._wait_s(beat is not None))
                         if ended is not None:
-                            self._ended(*ended, running, index, n, failed)
+                            self._ended(*ended, running, index, n, failed, since)
                         elif self.deadline is not None and self.deadline.left() <= 0:
                             self._stop(pool, running, index, n, since)
                 except BaseException:  # Ctrl-C, SIGTERM, a store error: unfinished runs leave no row, queued again
@@ -233,7 +233,9 @@ class Drain:
         """This attempt's number: 1 + the run's failed ones (a run stopped by a time limit or Ctrl-C has not failed)."""
         return 1 + sum(queue.run_id(t) == rid and queue.attempt_failed(t) for t in queue.trials(study, TrialState.FAIL))
 
-    def _ended(self, rid: str, res: Any, why: str | None, running: dict, index: dict, n: int, failed: dict) -> None:
+    def _ended(
+        self, rid: str, res: Any, why: str | None, running: dict, index: dict, n: int, failed: dict, since: dict
+    ) -> None:
         study, trial, run = running.pop(rid)
         i = index[rid]
         if why is None:
@@ -252,6 +254,7 @@ class Drain:
             return
         k = self._attempt(study, rid)
         queue.fail(trial)
+        self._cut(trial, run, time.monotonic() - since[rid][0], "failed", since[rid][1])
         again = k <= self.retries
         alone = again and self._shared() and "out of memory" in why.lower() and not trial.user_attrs.get("alone")
         then = "queued again to train alone" if alone else "queued again" if again else "left out"

@@ -11,6 +11,7 @@ import time
 import optuna
 import pytest
 
+from mixdepth import results
 from mixdepth.results import journal_path
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -168,6 +169,12 @@ def test_a_killed_worker_costs_one_attempt_and_its_run_is_retried(sweeps, refere
     assert val_losses(s.db) == reference  # bit-identical: every run stored once, the retried one as if never killed
     (retried,) = [rid for rid, state in _trials(s.db) if state == "FAIL"]
     assert sorted(_trials(s.db)) == sorted([(rid, "COMPLETE") for rid in reference] + [(retried, "FAIL")])
+    con = results.connect(s.db, read_only=True)
+    try:
+        (lost,) = con.execute("SELECT (parts->>'failed attempts')::DOUBLE FROM sweep_usage").fetchone()
+    finally:
+        con.close()
+    assert lost > 0  # the killed attempt's time is its own part of the usage, not idle
 
 
 def test_a_run_left_out_after_its_last_attempt_is_trained_by_the_rerun(sweeps, reference, cli, val_losses):

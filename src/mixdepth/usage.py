@@ -6,7 +6,7 @@ newest checkpoint (a later command resumes from there): every step of a sweep's 
 The parts share the command's device time: start-up (interpreter, imports, plan, corpus, store) and analysis (fits,
 figures; up to the report) hold every device; each run's set-up, compilation and first steps (its fit time beyond
 its steady-state steps), steady-state steps and evaluation hold its slot, and so does a run stopped unfinished by a
-time limit or an interrupt (its slot's time until then), the time between runs (queue, worker start,
+time limit, an interrupt or a failure (its slot's time until then), the time between runs (queue, worker start,
 hand-over) and slots left idle. Slots that share a GPU (``sweep.workers_per_gpu``) each count as that share of it.
 """
 
@@ -17,7 +17,11 @@ import os
 import time
 from dataclasses import dataclass, field
 
-CUT = {"time limit": "runs stopped at the time limit", "interrupted": "runs interrupted unfinished"}  # why -> part
+CUT = {  # why a run ended unfinished -> its part
+    "time limit": "runs stopped at the time limit",
+    "interrupted": "runs interrupted unfinished",
+    "failed": "failed attempts",
+}
 PARTS = ("start-up", "run set-up", "compilation and first steps", "training steps", "evaluation", *CUT.values(),
          "idle or between runs", "analysis")  # fmt: skip
 STOPPED = {  # why a command ended before its report -> how its usage says so
@@ -65,7 +69,7 @@ class Usage:
     kept: float = 0.0  # of the runs stopped unfinished, up to their newest checkpoint: resumed, not trained again
     peak: float | None = None
     runs: int = 0
-    stopped: int = 0  # runs stopped unfinished (a time limit, an interrupt): the command used its device
+    stopped: int = 0  # runs ended unfinished (a time limit, an interrupt, a failure): the command used its device
     per_run: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS[1 : 5 + len(CUT)], 0.0))
     mfu_flops: float = 0.0  # sum of MFU x FLOPs over the runs, for their FLOP-weighted mean MFU
 
@@ -85,7 +89,7 @@ class Usage:
             self.mfu_flops += metrics.mfu * train_flops * share
 
     def cut(self, seconds: float, why: str = "time limit", kept: float = 0.0) -> None:
-        """A run stopped after ``seconds`` in its slot, unfinished, by ``why`` (a key of ``CUT``), its checkpoints
+        """A run ended unfinished after ``seconds`` in its slot, by ``why`` (a key of ``CUT``), its checkpoints
         keeping ``kept`` training FLOPs of them (the run resumes there; 0: its time is lost)."""
         self.per_run[CUT[why]] += seconds
         self.kept += kept

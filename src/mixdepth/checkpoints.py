@@ -45,7 +45,7 @@ def resume_path(ckpt_dir: Path) -> Path | None:
     (``_atomic_save``), so a process killed while saving leaves no partial ``.ckpt``. The older files are removed:
     nothing resumes from them, and every preemption under SLURM adds one ``hpc_ckpt``.
     """
-    found = sorted(ckpt_dir.glob("*.ckpt"), key=_mtime) if ckpt_dir.is_dir() else []
+    found = _oldest_first(ckpt_dir)
     for old in found[:-1]:
         old.unlink(missing_ok=True)  # every rank of a DDP run prunes the same files
     return found[-1] if found else None
@@ -53,10 +53,18 @@ def resume_path(ckpt_dir: Path) -> Path | None:
 
 def saved_step(ckpt_dir: Path) -> int:
     """The step of the checkpoint a run would resume from (``resume_path``, nothing pruned) when its name says it
-    (``step=N``); 0 when there is none or its name does not (``hpc_ckpt_K``, ``final``)."""
-    found = max(ckpt_dir.glob("*.ckpt"), key=_mtime, default=None) if ckpt_dir.is_dir() else None
-    named = re.fullmatch(r"step=(\d+)\.ckpt", found.name) if found is not None else None
+    (``step=N``); 0 when there is none, its name does not (``hpc_ckpt_K``, ``final``), or the folder cannot be read
+    (it is asked while a fault may be stopping the sweep)."""
+    try:
+        found = _oldest_first(ckpt_dir)
+    except OSError:
+        return 0
+    named = re.fullmatch(r"step=(\d+)\.ckpt", found[-1].name) if found else None
     return int(named.group(1)) if named else 0
+
+
+def _oldest_first(ckpt_dir: Path) -> list[Path]:
+    return sorted(ckpt_dir.glob("*.ckpt"), key=_mtime) if ckpt_dir.is_dir() else []
 
 
 def _mtime(p: Path) -> int:

@@ -34,6 +34,11 @@ from sweeps.journal import storage as journal_storage
 warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
 
 SWEEP_ATTR = "mixdepth"  # the study attribute that marks a mixdepth sweep and describes it
+# a queued trial's attribute: the step up to which the commands that trained its run so far counted its training
+# FLOPs (their finished share, and what a stop kept in checkpoints, ``mixdepth.usage``). A later command counts
+# only the steps past it: a run whose checkpoint was lost since (another machine, a cleaned folder) trains those
+# again, but each step counts once over a sweep's commands.
+COUNTED = "counted_step"
 
 
 class StorageError(RuntimeError):
@@ -254,14 +259,18 @@ def requeue(
     trial: optuna.trial.FrozenTrial | optuna.Trial,
     alone: bool = False,
     stopped_s: float | None = None,
+    counted: int = 0,
 ) -> None:
     """A new waiting trial of the same run, behind the queued ones; ``alone`` (or the trial's own flag): it
     trains with its host to itself (``pop``), e.g. after it ran out of memory beside other runs; ``stopped_s``:
     a time limit stopped it after that many seconds, unfinished (the longest such stop is kept: ``sweeps.deadline``
-    predicts the run at least that long)."""
+    predicts the run at least that long); ``counted``: the step up to which the commands that trained it so far
+    counted its training FLOPs (``COUNTED``; the most of this and the trial's own is kept)."""
     alone = alone or trial.user_attrs.get("alone", False)
     stopped = max((s for s in (stopped_s, trial.user_attrs.get(STOPPED_S)) if s is not None), default=None)
+    counted = max(counted, trial.user_attrs.get(COUNTED, 0))
     extra = ({"alone": True} if alone else {}) | ({STOPPED_S: stopped} if stopped is not None else {})
+    extra |= {COUNTED: counted} if counted else {}
     study.enqueue_trial({}, user_attrs=attrs(trial.user_attrs["run"]) | extra)
 
 
@@ -315,14 +324,14 @@ def fail(trial: optuna.Trial) -> None:
     trial.study.tell(trial, state=TrialState.FAIL)
 
 
-def interrupted(study: optuna.Study, trial: optuna.Trial, stopped_s: float | None = None) -> None:
+def interrupted(study: optuna.Study, trial: optuna.Trial, stopped_s: float | None = None, counted: int = 0) -> None:
     """End a trial whose process was stopped (Ctrl-C, SIGTERM, a fault elsewhere; a time limit after ``stopped_s``
-    seconds) and queue its run again; no failed attempt of the run. Quiet when the storage itself is what failed:
-    the error that stopped us goes on."""
+    seconds) and queue its run again (``requeue``); no failed attempt of the run. Quiet when the storage itself is
+    what failed: the error that stopped us goes on."""
     try:
         trial.set_user_attr("interrupted", True)
         fail(trial)
-        requeue(study, trial, stopped_s=stopped_s)
+        requeue(study, trial, stopped_s=stopped_s, counted=counted)
     except Exception:
         pass
 

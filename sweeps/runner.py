@@ -310,10 +310,10 @@ def _run(
             queued += queue.enqueue(study, [runs[t.run_id] for t, _, _ in new], skip_finished=shared)
         return len(new), left
 
-    def add(_study, row: dict, res) -> None:
+    def add(_study, row: dict, res, counted: int) -> None:
         with store.session() as con:
             results.add_run(con, {**row, **asdict(res.metrics)}, res.curve)
-            used.add(res.metrics, row["tokens"], row["train_flops"], 1 - res.resumed_step / row["steps"])
+            used.add(res.metrics, row["tokens"], row["train_flops"], row["steps"], res.resumed_step, counted)
             results.put_usage(con, used.row(stopped="interrupted"))  # until the report: a killed command keeps its time
         bracket_round({(row["arch"], row["budget"])})  # its (arch, budget) may be complete: its sizes start now
 

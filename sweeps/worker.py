@@ -78,8 +78,9 @@ class Drain:
         ckpt_root: where runs that checkpoint keep ``<run_id>/``; None: nowhere.
         log_root: where runs with a ``train.logger`` write ``<sweep_id>/<run_id>/``; None: ./lightning_logs.
         retries: attempts after the first for a run whose fit raised or whose process died.
-        on_done: called with (study, row, RunResult) once the storage holds a finished run (the local sweep
-            stores it in its database); then the run's checkpoints are dropped (or its last one kept).
+        on_done: called with (study, row, RunResult, step) once the storage holds a finished run (the local sweep
+            stores it in its database), ``step`` the one up to which earlier commands counted its training FLOPs
+            or it resumed from (``queue.COUNTED``); then the run's checkpoints are dropped (or its last one kept).
         on_stop: called with the seconds a run trained, why it ended unfinished ("time limit"; "interrupted":
             Ctrl-C, SIGTERM, a fault; "failed": an attempt that failed) and the training FLOPs its newest checkpoint
             keeps of them.
@@ -102,7 +103,7 @@ class Drain:
     ckpt_root: Path | None = None
     log_root: Path | None = None
     retries: int = 1
-    on_done: Callable[[optuna.Study, dict, Any], None] | None = None
+    on_done: Callable[[optuna.Study, dict, Any, int], None] | None = None
     on_stop: Callable[[float, str, float], None] | None = None
     inline: bool = False
     ranks: tuple[Any, int] | None = None
@@ -146,7 +147,7 @@ class Drain:
                             self.progress.line(f"[{i}/{max(n, i)}] {header(trial.user_attrs['run']['row'])}{note}")
                             run = queue.decode_run(trial.user_attrs["run"], self.train, self.ckpt_root, self.log_root)
                             running[rid] = (study, trial, run)
-                            since[rid] = time.monotonic(), resumes_at(run)
+                            since[rid] = time.monotonic(), max(resumes_at(run), trial.user_attrs.get(queue.COUNTED, 0))
                             pool.submit(rid, run)
                         self.progress.left(*self._left(running))
                         if not running:
@@ -163,9 +164,12 @@ class Drain:
                             self._stop(pool, running, index, n, since)
                 except BaseException:  # Ctrl-C, SIGTERM, a store error: unfinished runs leave no row, queued again
                     for rid, (study, trial, run) in running.items():
-                        queue.interrupted(study, trial)
+                        counted = 0
                         if rid in since:
-                            self._cut(trial, run, time.monotonic() - since[rid][0], "interrupted", since[rid][1])
+                            counted = self._cut(
+                                trial, run, time.monotonic() - since[rid][0], "interrupted", since[rid][1]
+                            )
+                        queue.interrupted(study, trial, counted=counted)
                     raise
         finally:
             if beat:
@@ -181,19 +185,21 @@ class Drain:
         least as long as it trained unless it resumes from a checkpoint (``sweeps.deadline``)."""
         for rid, seconds in pool.stop():
             study, trial, run = running.pop(rid)
-            queue.interrupted(study, trial, stopped_s=None if run.ckpt_dir else seconds)
+            counted = self._cut(trial, run, seconds, "time limit", since[rid][1])
+            queue.interrupted(study, trial, stopped_s=None if run.ckpt_dir else seconds, counted=counted)
             i = index[rid]
             line = f"still training at the time limit after {seconds:.0f}s: stopped, queued again"
             self.progress.line(f"    [{i}/{max(n, i)}] {line}")
-            self._cut(trial, run, seconds, "time limit", since[rid][1])
 
-    def _cut(self, trial: optuna.Trial, run: Any, seconds: float, why: str, step: int) -> None:
+    def _cut(self, trial: optuna.Trial, run: Any, seconds: float, why: str, step: int) -> int:
         """Tell ``on_stop`` of a run stopped unfinished after ``seconds``, with the FLOPs its checkpoints kept of
-        them: from ``step``, saved when it started here, to its newest (none before its RunConfig ``run`` was)."""
+        them: from ``step``, counted when it started here (``queue.COUNTED``), to its newest checkpoint (none before
+        its RunConfig ``run`` was); returns the step its FLOPs are now counted up to."""
+        newest = resumes_at(run) if run is not None else 0
         if self.on_stop is not None:
             row = trial.user_attrs["run"]["row"]
-            kept = max(0, resumes_at(run) - step) if run is not None else 0
-            self.on_stop(seconds, why, row["train_flops"] * kept / row["steps"])
+            self.on_stop(seconds, why, row["train_flops"] * max(0, newest - step) / row["steps"])
+        return max(step, newest)
 
     def _next(self, alone: bool) -> tuple[optuna.Study, optuna.Trial] | None:
         """A queued run to start here; ``alone``: nothing trains here, so one queued to train alone may start."""
@@ -242,7 +248,7 @@ class Drain:
             queue.finish(trial, res.metrics, res.curve)
             row = {**trial.user_attrs["run"]["row"]}
             if self.on_done is not None:
-                self.on_done(study, row, res)
+                self.on_done(study, row, res, since[rid][1])
             self.progress.finished(row["train_flops"])
             m = res.metrics
             loss = "diverged (no loss to fit)" if m.val_loss is None else f"{m.val_loss:.4f}"
@@ -254,13 +260,13 @@ class Drain:
             return
         k = self._attempt(study, rid)
         queue.fail(trial)
-        self._cut(trial, run, time.monotonic() - since[rid][0], "failed", since[rid][1])
+        counted = self._cut(trial, run, time.monotonic() - since[rid][0], "failed", since[rid][1])
         again = k <= self.retries
         alone = again and self._shared() and "out of memory" in why.lower() and not trial.user_attrs.get("alone")
         then = "queued again to train alone" if alone else "queued again" if again else "left out"
         self.progress.line(f"    [{i}/{max(n, i)}] attempt {k} of {self.retries + 1} failed: {why}; {then}")
         if again:
-            queue.requeue(study, trial, alone)
+            queue.requeue(study, trial, alone, counted=counted)
         else:
             failed[rid] = why
 

@@ -3,6 +3,7 @@ those first), one still training at the limit is stopped there and queued again,
 queued, exit code 75; a rerun resumes. The scheduling is checked on a simulated clock with runs of known length, the
 command end to end on the CPU."""
 
+import shutil
 from pathlib import Path
 
 import duckdb
@@ -277,7 +278,37 @@ def test_a_run_stopped_at_the_limit_keeps_the_flops_up_to_its_newest_checkpoint(
     assert pool.stopped == [(slow, pytest.approx(57.3))]
     assert lost == [(pytest.approx(57.3), "time limit", pytest.approx(flops * 100 / 188))]
     again = next(t for t in queue.trials(study, TrialState.WAITING) if queue.run_id(t) == slow)
-    assert STOPPED_S not in again.user_attrs
+    assert STOPPED_S not in again.user_attrs and again.user_attrs[queue.COUNTED] == 150
+
+
+def test_a_run_whose_counted_checkpoint_was_lost_counts_from_where_the_last_command_counted(payloads, tmp_path):
+    """The 188-step run alone, in 40 s commands: the first stops it after it wrote step 150 and counts its FLOPs
+    up to there; that checkpoint is lost before the next (another machine), which stops it again after it wrote
+    step 100 and counts nothing more (those steps were counted); with that one lost too, a command without a limit
+    trains it from step 0 and is told to count from step 150: no step counts twice over the commands."""
+    slow = [queue.run_id(t) for t in _queued(payloads)][1]
+    seconds = lambda r: 10.0 + 0.1 * r["steps"] * 3  # noqa: E731
+    study = optuna.create_study()
+    queue.enqueue(study, [p for p in payloads if p["row"]["run_id"] == slow])
+    flops = next(p["row"]["train_flops"] for p in payloads if p["row"]["run_id"] == slow)
+    real_stop, writes, lost, done = Simulated.stop, [150, 100], [], []
+
+    def stop(pool):  # the run wrote a checkpoint before the limit
+        (tmp_path / slow).mkdir(exist_ok=True)
+        (tmp_path / slow / f"step={writes.pop(0)}.ckpt").write_bytes(b"")
+        return real_stop(pool)
+
+    drain = dict(ckpt_root=tmp_path, train={"ckpt_every": 50})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Simulated, "stop", stop)
+        for _ in writes[:]:
+            _drain(payloads, seconds, 40.0, lambda s, why, kept: lost.append(kept), study=study, **drain)
+            shutil.rmtree(tmp_path / slow)  # lost before the next command
+    assert lost == [pytest.approx(flops * 150 / 188), 0.0]
+    (queued,) = queue.trials(study, TrialState.WAITING)
+    assert queued.user_attrs[queue.COUNTED] == 150
+    _drain(payloads, seconds, None, study=study, on_done=lambda st, row, res, counted: done.append(counted), **drain)
+    assert done == [150]
 
 
 def test_a_run_stopped_at_the_limit_has_spent_no_attempt(payloads, capsys):
@@ -405,7 +436,7 @@ def test_usage_says_a_command_stopped_at_its_time_limit():
     from mixdepth import usage
 
     used = usage.Usage("s", slots=1, gpus=1, started=0.0, training=1.0, trained=9.0, peak=1e12)
-    used.add(RunMetrics("ok", 1.0, None, 1.0, 5.0, 1e6, 0.1, 1e12, "d", "bf16", {}, "c", "f", None), 1, 1e12)
+    used.add(RunMetrics("ok", 1.0, None, 1.0, 5.0, 1e6, 0.1, 1e12, "d", "bf16", {}, "c", "f", None), 1, 1e12, 1)
     stopped = usage.lines(used.row(now=10.0, stopped="time limit"))[0]
     assert stopped.endswith("(stopped at its time limit, before its report)"), stopped
     assert usage.lines(used.row(now=10.0, stopped="interrupted"))[0].endswith("(interrupted before its report)")

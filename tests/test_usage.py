@@ -24,8 +24,10 @@ def _metrics(wall, tokens_per_s, setup=1.0, evaluation=2.0, mfu=0.4, peak=1e15):
 def test_parts_sum_to_the_device_time_and_utilisation_is_flops_over_it():
     u = usage.Usage("s", slots=2, gpus=1, sharing="mps", started=100.0)
     u.training, u.trained = 110.0, 150.0  # 10 s start-up, 40 s of training on two slots sharing one GPU
-    u.add(_metrics(wall=30.0, tokens_per_s=1e4), tokens=200_000, train_flops=6e15)  # 20 s steady, 10 s warm-up
-    u.add(_metrics(wall=20.0, tokens_per_s=1e4, mfu=0.2), tokens=100_000, train_flops=2e15)
+    u.add(
+        _metrics(wall=30.0, tokens_per_s=1e4), tokens=200_000, train_flops=6e15, steps=100
+    )  # 20 s steady, 10 s warm-up
+    u.add(_metrics(wall=20.0, tokens_per_s=1e4, mfu=0.2), tokens=100_000, train_flops=2e15, steps=50)
     row = u.row(now=160.0)  # 10 s of analysis
     p = row["parts"]
     assert row["wall_s"] == 60.0 and row["runs"] == 2 and row["train_flops"] == 8e15
@@ -51,16 +53,37 @@ def test_parts_sum_to_the_device_time_and_utilisation_is_flops_over_it():
 def test_a_resumed_run_counts_only_what_this_command_trained():
     u = usage.Usage("s", slots=1, gpus=2, started=0.0)
     u.training, u.trained = 0.0, 10.0
-    u.add(_metrics(wall=8.0, tokens_per_s=1e5), tokens=1_000_000, train_flops=4e15, share=0.25)
+    u.add(_metrics(wall=8.0, tokens_per_s=1e5), tokens=1_000_000, train_flops=4e15, steps=400, resumed=300)
     row = u.row(now=10.0)
     assert row["train_flops"] == 1e15 and row["utilisation"] == pytest.approx(1e15 / (10 * 2 * 1e15))
     assert row["parts"]["training steps"] == pytest.approx(2.0 * 2)  # 250k tokens at 1e5/s, on both GPUs
+    assert usage.AGAIN not in usage.lines(row)[1]
+
+
+def test_steps_an_earlier_command_counted_and_a_lost_checkpoint_makes_train_again_count_once():
+    """An earlier command counted a 400-step run's FLOPs up to step 300 (its checkpoint there), which was lost
+    since: the run resumes at step 100 of an older one and trains 300 steps here, but only the last 100 count; the
+    200 steps' time is its own part, not training steps (nor idle)."""
+    u = usage.Usage("s", slots=1, gpus=1, started=0.0)
+    u.training, u.trained = 0.0, 14.0
+    u.add(
+        _metrics(wall=12.0, tokens_per_s=1e5), tokens=1_000_000, train_flops=4e15, steps=400, resumed=100, counted=300
+    )
+    row = u.row(now=15.0)
+    p = row["parts"]
+    assert row["train_flops"] == pytest.approx(1e15) and row["utilisation"] == pytest.approx(1e15 / (15 * 1e15))
+    assert p[usage.AGAIN] == pytest.approx(5.0) and p["training steps"] == pytest.approx(2.5)  # 500k, 250k tokens
+    assert p["compilation and first steps"] == pytest.approx(12.0 * 0.75 - 7.5)
+    assert p["idle or between runs"] == pytest.approx(14.0 - 9.0 - 1.0 - 2.0)
+    assert sum(p[k] for k in usage.PARTS) == pytest.approx(15.0)
+    assert p["runs_mfu"] == pytest.approx(0.4)
+    assert f"{usage.AGAIN} 33.3%" in usage.lines(row)[1], usage.lines(row)
 
 
 def test_cpu_has_no_utilisation_but_says_where_time_went():
     u = usage.Usage("s", slots=1, gpus=0, started=0.0)
     u.training, u.trained = 1.0, 9.0
-    u.add(_metrics(wall=6.0, tokens_per_s=1e3, setup=0.5, evaluation=0.5, mfu=None, peak=None), 3000, 1e9)
+    u.add(_metrics(wall=6.0, tokens_per_s=1e3, setup=0.5, evaluation=0.5, mfu=None, peak=None), 3000, 1e9, 10)
     row = u.row(now=10.0)
     assert row["utilisation"] is None and row["peak_flops"] is None and row["parts"]["runs_mfu"] is None
     assert sum(row["parts"][k] for k in usage.PARTS) == pytest.approx(10.0)

@@ -4,9 +4,10 @@ FLOPs are each finished run's share trained in this command and, of a run stoppe
 newest checkpoint (a later command resumes from there): every step of a sweep's runs counts once over its commands.
 
 The parts share the command's device time: start-up (interpreter, imports, plan, corpus, store) and analysis (fits,
-figures; up to the report) hold every device; each run's set-up, compilation and first steps (its fit time beyond
-its steady-state steps), steady-state steps and evaluation hold its slot, and so does a run stopped unfinished by a
-time limit, an interrupt or a failure (its slot's time until then), the time between runs (queue, worker start,
+figures; up to the report) hold every device; each run's set-up, compilation and first steps (its fit time beyond its
+steady-state steps), steady-state steps and evaluation hold its slot, and so does a run stopped unfinished by a time
+limit, an interrupt or a failure (its slot's time until then), the steps of a resumed run that an earlier command
+counted but whose checkpoint was lost since (trained again, counted once), the time between runs (queue, worker start,
 hand-over) and slots left idle. Slots that share a GPU (``sweep.workers_per_gpu``) each count as that share of it.
 """
 
@@ -22,8 +23,9 @@ CUT = {  # why a run ended unfinished -> its part
     "interrupted": "runs interrupted unfinished",
     "failed": "failed attempts",
 }
+AGAIN = "steps trained again"  # steps an earlier command counted, kept by a checkpoint that was lost since
 PARTS = ("start-up", "run set-up", "compilation and first steps", "training steps", "evaluation", *CUT.values(),
-         "idle or between runs", "analysis")  # fmt: skip
+         AGAIN, "idle or between runs", "analysis")  # fmt: skip
 STOPPED = {  # why a command ended before its report -> how its usage says so
     "interrupted": "interrupted before its report",  # Ctrl-C, SIGTERM, a fault
     "time limit": "stopped at its time limit, before its report",  # --time-limit: runs left queued
@@ -70,23 +72,28 @@ class Usage:
     peak: float | None = None
     runs: int = 0
     stopped: int = 0  # runs ended unfinished (a time limit, an interrupt, a failure): the command used its device
-    per_run: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS[1 : 5 + len(CUT)], 0.0))
+    per_run: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS[1 : 6 + len(CUT)], 0.0))
     mfu_flops: float = 0.0  # sum of MFU x FLOPs over the runs, for their FLOP-weighted mean MFU
 
-    def add(self, metrics, tokens: int, train_flops: float, share: float = 1.0) -> None:
-        """One finished run: its ``RunMetrics``, tokens and training FLOPs; ``share`` of it trained in this command
-        (a run resumed from a checkpoint trained the rest earlier)."""
+    def add(self, metrics, tokens: int, train_flops: float, steps: int, resumed: int = 0, counted: int = 0) -> None:
+        """One finished run of ``steps`` steps: its ``RunMetrics``, tokens and training FLOPs. It trained here from
+        step ``resumed`` (a run resumed from a checkpoint trained the steps before in earlier commands), and earlier
+        commands counted its FLOPs up to step ``counted``: steps between the two it trained again (a checkpoint they
+        counted was lost since), which take their time here and count no FLOPs."""
+        share, again = 1 - resumed / steps, max(0, counted - resumed) / steps
         wall = metrics.wall_s * share
         steady = min(wall, tokens * share / metrics.tokens_per_s)  # its steps at the steady-state rate
+        repeat = steady * again / share if share else 0.0  # resumed at its last step: none trained here
         self.per_run["run set-up"] += metrics.setup_s or 0.0
         self.per_run["compilation and first steps"] += wall - steady
-        self.per_run["training steps"] += steady
+        self.per_run["training steps"] += steady - repeat
+        self.per_run[AGAIN] += repeat
         self.per_run["evaluation"] += metrics.eval_s or 0.0
-        self.flops += train_flops * share
+        self.flops += train_flops * (share - again)
         self.runs += 1
         self.peak = self.peak or metrics.peak_flops
         if metrics.mfu is not None:
-            self.mfu_flops += metrics.mfu * train_flops * share
+            self.mfu_flops += metrics.mfu * train_flops * (share - again)
 
     def cut(self, seconds: float, why: str = "time limit", kept: float = 0.0) -> None:
         """A run ended unfinished after ``seconds`` in its slot, by ``why`` (a key of ``CUT``), its checkpoints
@@ -147,7 +154,7 @@ def lines(row: dict) -> list[str]:
             head += f" ({SHARED[parts['sharing']]})"
     shares = []
     for k in PARTS:
-        if k not in parts or (k in CUT.values() and not parts[k]):  # stored before the part existed; none stopped
+        if k not in parts or (k in (*CUT.values(), AGAIN) and not parts[k]):  # stored before it existed; none such
             continue
         share = f"{k} {parts[k] / device_s:.1%}"
         if k == "training steps" and parts.get("runs_mfu") is not None:

@@ -118,7 +118,9 @@ class Drain:
         n = sum(len(queue.trials(s, TrialState.WAITING)) for s in self.studies)
         running: dict[str, tuple[optuna.Study, optuna.Trial, Any]] = {}  # run_id -> study, trial, RunConfig
         index: dict[str, int] = {}
-        since: dict[str, tuple[float, int]] = {}  # run_id -> when it was handed to the pool, its step saved then
+        # run_id -> when it was handed to the pool, the step this command counts its FLOPs from (its checkpoint's
+        # or, if more, the one earlier commands counted up to)
+        since: dict[str, tuple[float, int]] = {}
         failed: dict[str, str] = {}
         beat = None
         if beats := [b for s in self.studies if (b := queue.heartbeat(s._storage))]:

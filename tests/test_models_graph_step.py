@@ -1,14 +1,20 @@
 """``train.graph_step``: the step's forward, backward and clipping as one CUDA graph (mixdepth.graphs.StepGraph).
 
 GPU: every family's steps replayed from the graph equal the eager steps (objective and LM loss, and the parameters
-after each AdamW update, in fp32 and under bf16 autocast), and ``train.fit`` with it trains the run the eager trainer
-trains.
+after each AdamW update, in fp32 and under bf16 autocast), ``train.fit`` with it trains the run the eager trainer
+trains, and a run SIGKILLed after a checkpoint resumes (a fresh step graph captured) to the uninterrupted run.
 CPU: the configs it cannot capture are refused in one line before anything trains.
 """
+
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 
+from mixdepth.checkpoints import saved_step
 from mixdepth.config import ConfigError, DataConfig, TrainConfig, check_graph_step
 from mixdepth.graphs import StepGraph
 from mixdepth.launch import check_devices
@@ -77,6 +83,63 @@ def test_fit_with_graph_step_trains_the_eager_run_gpu(arch, tmp_path):
     torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
     assert graphed.metrics.val_loss == pytest.approx(eager.metrics.val_loss, abs=2e-3)
     assert want[-1, 0] < want[0, 0] - 0.5  # it learned: the comparison is not of two untrained models
+
+
+RESUMED_STEPS, RESUME_EVERY = 200, 50
+# the child process: train the run checkpointing into the folder named on its command line
+RESUME_CHILD = (
+    "import sys; from tests.test_models_graph_step import resumable; from mixdepth.train import fit; "
+    "fit(resumable(sys.argv[1]))"
+)
+
+
+def resumable(ckpt_dir: str | None) -> RunConfig:
+    """A MoD run as a GPU sweep trains it (bf16, compiled per block, the step graph), checkpointing every
+    ``RESUME_EVERY`` steps into ``ckpt_dir`` (None: no checkpoints)."""
+    model = MODELS["mod"][0](d_model=64, n_layers=4, n_heads=2, n_kv_heads=2, seq_len=64, vocab_size=256)
+    data = DataConfig(max_bytes=300_000, val_tokens=4096, seq_len=64)
+    train = TrainConfig(
+        batch_size=8,
+        accelerator="gpu",
+        compile=True,
+        compile_scope="block",
+        graph_step=True,
+        log_every=10,
+        progress=False,
+        ckpt_every=RESUME_EVERY if ckpt_dir else None,
+    )
+    return RunConfig(model, data, train, RESUMED_STEPS, ckpt_dir)
+
+
+@GPU
+def test_graph_step_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_run_gpu(tmp_path):
+    """What a sweep's time limit does to a run that checkpoints (its worker killed, the run trained on by the next
+    command): the rerun restores weights, AdamW moments, scheduler and sampler from the checkpoint into a model
+    whose step graph is captured anew, and trains the curve and held-out loss of the run trained in one go, to the
+    rounding two bf16 runs of the step graph agree to (test_fit_with_graph_step_trains_the_eager_run_gpu)."""
+    folder = tmp_path / "ckpt"
+    log = tmp_path / "child.log"
+    with open(log, "w") as out:
+        child = subprocess.Popen([sys.executable, "-c", RESUME_CHILD, str(folder)], stdout=out, stderr=out)
+        deadline = time.monotonic() + 300
+        while not list(folder.glob("step=*.ckpt")) and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+    saved = saved_step(folder)
+    assert 0 < saved < RESUMED_STEPS, log.read_text()[-2000:]  # killed after a checkpoint, before the end
+
+    resumed = fit(resumable(str(folder)))
+    want = fit(resumable(None))
+    assert resumed.resumed_step == saved
+    steps = [p["step"] for p in want.curve]
+    assert [p["step"] for p in resumed.curve] == steps and steps[:3] == [1, 10, 20] and steps[-1] == RESUMED_STEPS
+    assert [p["lr"] for p in resumed.curve] == [p["lr"] for p in want.curve]
+    got = torch.tensor([[p["train_loss"], p["lm_loss"]] for p in resumed.curve])  # [points, 2]
+    ref = torch.tensor([[p["train_loss"], p["lm_loss"]] for p in want.curve])
+    torch.testing.assert_close(got, ref, rtol=2e-3, atol=2e-3)
+    assert resumed.metrics.val_loss == pytest.approx(want.metrics.val_loss, abs=2e-3)
+    assert ref[-1, 0] < ref[0, 0] - 0.5  # it learned: the comparison is not of two untrained models
 
 
 @GPU

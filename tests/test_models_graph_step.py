@@ -66,23 +66,33 @@ def test_replayed_steps_equal_eager_steps_gpu(arch, kw, bf16):
         torch.testing.assert_close(got[n], p, **tol, msg=lambda m, n=n: f"{n}: {m}")
 
 
-@GPU
-@pytest.mark.parametrize("arch", list(MODELS))
-def test_fit_with_graph_step_trains_the_eager_run_gpu(arch, tmp_path):
-    """Through train.fit (Lightning's manual optimization, bf16, compiled per block): the curve (objective and LM
-    loss) and the held-out loss of the run trained with the step graph are the eager trainer's."""
+def small_run(arch: str, steps: int, ckpt_dir: str | None = None, **train) -> RunConfig:
+    """A small run of ``arch`` as a GPU sweep trains it: bf16, compiled per block; ``train``: the other keys."""
     model = MODELS[arch][0](arch=arch, d_model=64, n_layers=4, n_heads=2, n_kv_heads=2, seq_len=64, vocab_size=256)
     data = DataConfig(max_bytes=300_000, val_tokens=4096, seq_len=64)
-    base = dict(batch_size=8, accelerator="gpu", compile=True, compile_scope="block", log_every=5, progress=False)
-    runs = [fit(RunConfig(model, data, TrainConfig(**base, graph_step=g), 30)) for g in (False, True)]
-    (eager, graphed) = runs
-    assert [p["step"] for p in graphed.curve] == [p["step"] for p in eager.curve] == [1, 5, 10, 15, 20, 25, 30]
-    assert [p["lr"] for p in graphed.curve] == [p["lr"] for p in eager.curve]
-    got = torch.tensor([[p["train_loss"], p["lm_loss"]] for p in graphed.curve])  # [points, 2]
-    want = torch.tensor([[p["train_loss"], p["lm_loss"]] for p in eager.curve])
-    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
-    assert graphed.metrics.val_loss == pytest.approx(eager.metrics.val_loss, abs=2e-3)
-    assert want[-1, 0] < want[0, 0] - 0.5  # it learned: the comparison is not of two untrained models
+    base = dict(batch_size=8, accelerator="gpu", compile=True, compile_scope="block", progress=False)
+    return RunConfig(model, data, TrainConfig(**base, **train), steps, ckpt_dir)
+
+
+def assert_same_run(got, want) -> None:
+    """Two bf16 runs of one config (``RunResult``) train the same: their curves (objective and LM loss) and held-out
+    losses agree to the rounding that separates replayed steps from eager ones, and the run learned."""
+    assert [p["step"] for p in got.curve] == [p["step"] for p in want.curve]
+    assert [p["lr"] for p in got.curve] == [p["lr"] for p in want.curve]
+    losses = [torch.tensor([[p["train_loss"], p["lm_loss"]] for p in r.curve]) for r in (got, want)]  # [points, 2]
+    torch.testing.assert_close(*losses, rtol=2e-3, atol=2e-3)
+    assert got.metrics.val_loss == pytest.approx(want.metrics.val_loss, abs=2e-3)
+    assert losses[1][-1, 0] < losses[1][0, 0] - 0.5  # it learned: the comparison is not of two untrained models
+
+
+@GPU
+@pytest.mark.parametrize("arch", list(MODELS))
+def test_fit_with_graph_step_trains_the_eager_run_gpu(arch):
+    """Through train.fit (Lightning's manual optimization, bf16, compiled per block): the curve and the held-out loss
+    of the run trained with the step graph are the eager trainer's."""
+    eager, graphed = (fit(small_run(arch, 30, log_every=5, graph_step=g)) for g in (False, True))
+    assert [p["step"] for p in eager.curve] == [1, 5, 10, 15, 20, 25, 30]
+    assert_same_run(graphed, eager)
 
 
 RESUMED_STEPS, RESUME_EVERY = 200, 50
@@ -94,21 +104,9 @@ RESUME_CHILD = (
 
 
 def resumable(ckpt_dir: str | None) -> RunConfig:
-    """A MoD run as a GPU sweep trains it (bf16, compiled per block, the step graph), checkpointing every
-    ``RESUME_EVERY`` steps into ``ckpt_dir`` (None: no checkpoints)."""
-    model = MODELS["mod"][0](d_model=64, n_layers=4, n_heads=2, n_kv_heads=2, seq_len=64, vocab_size=256)
-    data = DataConfig(max_bytes=300_000, val_tokens=4096, seq_len=64)
-    train = TrainConfig(
-        batch_size=8,
-        accelerator="gpu",
-        compile=True,
-        compile_scope="block",
-        graph_step=True,
-        log_every=10,
-        progress=False,
-        ckpt_every=RESUME_EVERY if ckpt_dir else None,
-    )
-    return RunConfig(model, data, train, RESUMED_STEPS, ckpt_dir)
+    """A MoD run with the step graph, checkpointing every ``RESUME_EVERY`` steps into ``ckpt_dir`` (None: none)."""
+    every = RESUME_EVERY if ckpt_dir else None
+    return small_run("mod", RESUMED_STEPS, ckpt_dir, log_every=10, graph_step=True, ckpt_every=every)
 
 
 @GPU
@@ -133,13 +131,8 @@ def test_graph_step_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_r
     want = fit(resumable(None))
     assert resumed.resumed_step == saved
     steps = [p["step"] for p in want.curve]
-    assert [p["step"] for p in resumed.curve] == steps and steps[:3] == [1, 10, 20] and steps[-1] == RESUMED_STEPS
-    assert [p["lr"] for p in resumed.curve] == [p["lr"] for p in want.curve]
-    got = torch.tensor([[p["train_loss"], p["lm_loss"]] for p in resumed.curve])  # [points, 2]
-    ref = torch.tensor([[p["train_loss"], p["lm_loss"]] for p in want.curve])
-    torch.testing.assert_close(got, ref, rtol=2e-3, atol=2e-3)
-    assert resumed.metrics.val_loss == pytest.approx(want.metrics.val_loss, abs=2e-3)
-    assert ref[-1, 0] < ref[0, 0] - 0.5  # it learned: the comparison is not of two untrained models
+    assert steps[:3] == [1, 10, 20] and steps[-1] == RESUMED_STEPS
+    assert_same_run(resumed, want)
 
 
 @GPU

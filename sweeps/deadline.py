@@ -188,9 +188,30 @@ class Deadline:
         )
         soonest = [e if c is None else c for e, c in pairs]  # what a whole command must hold to start each usefully
         if soonest and None not in soonest and MARGIN * min(soonest) > self.limit:
+            every = None if keeps else self.interval(queued, finished)
             return (
                 f"{line}; the shortest is predicted at {min(soonest):.0f} s (x {MARGIN:g} margin), more than a whole"
                 f" command of {self.limit:g} s: rerun with a longer --time-limit or without one"
-                + ("" if keeps else ", or with train.ckpt_every=N to train such runs across commands")
+                + ("" if keeps else f", or with train.ckpt_every={every or 'N'}")
+                + (" (each run's next checkpoint then predicted within half a command)" if every else "")
+                + ("" if keeps else " to train such runs across commands")
             )
         return f"{line}; rerun the same command to resume"
+
+    def interval(self, queued: list[dict], finished: Iterable[dict]) -> int | None:
+        """The largest round checkpoint interval (1, 2 or 5 x 10^k steps) at which every trial ``queued`` would reach
+        its next checkpoint within half of this limit, with ``MARGIN`` (``predictor``'s seconds are affine in a run's
+        steps); None where even one step would not."""
+        seconds, fits = predictor(finished), math.inf
+        for attrs in queued:
+            row = attrs["run"]["row"]
+            end, first = seconds(row), seconds(part(row, 1))  # its steps; its first step and the fixed seconds
+            if end is None or first is None or row["steps"] < 2:
+                return None
+            per_step = (end - first) / (row["steps"] - 1)
+            if per_step > 0:
+                fits = min(fits, (self.limit / (2 * MARGIN) - (first - per_step)) / per_step)
+        if not 1 <= fits < math.inf:
+            return None
+        scale = 10 ** math.floor(math.log10(fits))
+        return max(m * scale for m in (1, 2, 5) if m * scale <= fits)

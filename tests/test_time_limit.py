@@ -133,9 +133,26 @@ def test_the_stop_line_says_whether_a_rerun_can_start_the_queued_runs():
     line = limit.held([queued(never)], finished)
     assert line.endswith(
         f"; the shortest is predicted at 391 s (x {MARGIN:g} margin), more than a whole command of 400 s: rerun with a"
-        " longer --time-limit or without one, or with train.ckpt_every=N to train such runs across commands"
+        " longer --time-limit or without one, or with train.ckpt_every=1000 (each run's next checkpoint then predicted"
+        " within half a command) to train such runs across commands"
     ), line
     assert limit.held([queued(never)], finished, lambda attrs: (5000, 0)).endswith("--time-limit or without one")
+
+
+def test_the_checkpoint_interval_it_suggests_checkpoints_every_run_within_half_a_command():
+    """``Deadline.interval``: the largest 1-2-5 interval whose first checkpoint every queued run reaches within half
+    the limit, x MARGIN, from the runs' affine predictions (3 s outside the steps, 0.097 s a step: up to 1,687 steps
+    in a 400 s limit)."""
+    finished = [done(97.0, steps=1000)]
+    limit = Deadline(start=0.0, limit=400.0)
+    assert limit.interval([queued(row(steps=4000))], finished) == 1000
+    assert Deadline(0.0, 900.0).interval([queued(row(steps=4000))], finished) == 2000  # up to 3,835 steps in 900 s
+    # a narrower shape of 8x the FLOPs, priced at half the finished run's FLOP rate (scaled down with width): 1,552 s
+    # over its steps, 0.388 s a step, at most 421 steps within 200 s / 1.2: the slowest run decides
+    slower = row(d=96, steps=4000, flops=8e15)
+    assert limit.interval([queued(row(steps=4000)), queued(slower)], finished) == 200
+    assert limit.interval([queued(row(steps=4000))], []) is None  # nothing finished: nothing to price it by
+    assert Deadline(0.0, 5.0).interval([queued(row(steps=4000))], finished) is None  # 3 s + one step x 1.2 > 2.5 s
 
 
 @pytest.mark.parametrize("text,seconds", [("540", 540.0), ("9m", 540.0), ("1.5h", 5400.0), ("30s", 30.0)])

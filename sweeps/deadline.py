@@ -177,7 +177,8 @@ class Deadline:
     ) -> str:
         """The line of a command that ends with the trials ``queued`` (their user attributes) still queued, none of
         which would end, or reach its next checkpoint, in time (``order``): rerun to resume, or, where even the
-        soonest is predicted longer than a whole command of this limit, that rerunning it would start none."""
+        soonest is predicted longer than a whole command of this limit, that rerunning it would start none (and, for
+        runs without checkpoints, the ``interval`` that would train them across commands)."""
         n, times = len(queued), estimator(finished, saved)
         pairs = [times(attrs) for attrs in queued]  # (to its end, to its next checkpoint) of each
         keeps = any(c is not None for _, c in pairs)

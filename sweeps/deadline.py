@@ -179,6 +179,7 @@ class Deadline:
         which would end, or reach its next checkpoint, in time (``order``): rerun to resume, or, where even the
         soonest is predicted longer than a whole command of this limit, that rerunning it would start none (and, for
         runs without checkpoints, the ``interval`` that would train them across commands)."""
+        finished = list(finished)
         n, times = len(queued), estimator(finished, saved)
         pairs = [times(attrs) for attrs in queued]  # (to its end, to its next checkpoint) of each
         keeps = any(c is not None for _, c in pairs)
@@ -190,12 +191,11 @@ class Deadline:
         soonest = [e if c is None else c for e, c in pairs]  # what a whole command must hold to start each usefully
         if soonest and None not in soonest and MARGIN * min(soonest) > self.limit:
             every = None if keeps else self.interval(queued, finished)
+            within = " (each run's next checkpoint then predicted within half a command)" if every else ""
+            hint = f", or with train.ckpt_every={every or 'N'}{within} to train such runs across commands"
             return (
                 f"{line}; the shortest is predicted at {min(soonest):.0f} s (x {MARGIN:g} margin), more than a whole"
-                f" command of {self.limit:g} s: rerun with a longer --time-limit or without one"
-                + ("" if keeps else f", or with train.ckpt_every={every or 'N'}")
-                + (" (each run's next checkpoint then predicted within half a command)" if every else "")
-                + ("" if keeps else " to train such runs across commands")
+                f" command of {self.limit:g} s: rerun with a longer --time-limit or without one{'' if keeps else hint}"
             )
         return f"{line}; rerun the same command to resume"
 

@@ -161,13 +161,17 @@ class Pool:
     def stop(self) -> list[tuple[Any, float]]:
         """Kill every worker that trains a run now (SIGKILL, as on leaving by an exception): ``(key, seconds since
         its run was handed over)`` of each; a later ``submit`` starts a fresh worker in its place. One whose reply
-        (or death) already waits is left for ``wait`` to report."""
-        now, stopped = time.time(), []
-        for s in self._slots:
-            if s.key is not None and not s.conn.poll():
-                stopped.append((s.key, now - s.since))
-                self._end(s, kill=True)
-                s.process = s.conn = s.key = None
+        (or death) already waits is left for ``wait`` to report. Which ones train is read before any is killed:
+        under MPS a killed worker can fault the kernels of the others on its GPU (an H100 answered them "illegal
+        memory access"), and that reply is the stop's doing, not a failed attempt of their runs."""
+        now = time.time()
+        training = [s for s in self._slots if s.key is not None and not s.conn.poll()]
+        stopped = [(s.key, now - s.since) for s in training]
+        for s in training:
+            s.process.kill()
+        for s in training:
+            self._end(s, kill=True)
+            s.process = s.conn = s.key = None
         return stopped
 
     @staticmethod

@@ -308,6 +308,44 @@ def test_a_started_pool_spawns_its_workers_at_once_and_a_drain_leaves_them_to_th
     assert all(w.exitcode is not None for w in workers)
 
 
+def test_a_stop_kills_every_training_worker_even_one_the_first_kill_made_fail():
+    """Under MPS, killing one worker at the time limit faulted the others' kernels (an H100: "illegal memory
+    access"), and the fault's reply reached the pool before the stop came to them: each read as a failed attempt.
+    Which workers train is read before any dies: here killing "a" makes "b" reply, and both are stopped; "c",
+    whose reply waited before the stop, is left for ``wait``."""
+    from sweeps.pool import Pool
+
+    class Conn:
+        def __init__(self, ready=False):
+            self.ready = ready
+
+        def poll(self):
+            return self.ready
+
+        def close(self):
+            pass
+
+    class Proc:
+        def __init__(self, on_kill=lambda: None):
+            self.on_kill, self.exitcode = on_kill, None
+
+        def kill(self):
+            self.on_kill()
+            self.exitcode = -9
+
+        def join(self, timeout=None):
+            pass
+
+    pool = Pool(3, [])
+    a, b, c = pool._slots
+    b.conn, b.process = Conn(), Proc()
+    a.conn, a.process = Conn(), Proc(on_kill=lambda: setattr(b.conn, "ready", True))
+    c.conn, c.process = Conn(ready=True), Proc()
+    a.key, b.key, c.key = "a", "b", "c"
+    assert [key for key, _ in pool.stop()] == ["a", "b"]
+    assert a.key is b.key is None and c.key == "c" and c.process.exitcode is None
+
+
 def test_a_worker_compiles_each_run_afresh_past_dynamo_recompile_limit(monkeypatch):
     """A worker lives across runs of many shapes; dynamo keeps 8 compiled variants of a function and runs later
     shapes eagerly. Each run starts from a reset compiler, so the tenth shape of the same block still compiles."""

@@ -170,7 +170,7 @@ class Pool:
         for s in training:
             s.process.kill()
         for s in training:
-            self._end(s, kill=True)
+            self._end(s, kill=False)  # killed above: reap it
             s.process = s.conn = s.key = None
         return stopped
 
